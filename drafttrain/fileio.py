@@ -1,0 +1,56 @@
+"""Atomic writes: a reader (or a resumed run) never sees a half-written file or directory."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def atomic_write_jsonl(path: str | os.PathLike, rows) -> None:
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling directory; rename it to `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            if not overwrite:
+                raise FileExistsError(path)
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
