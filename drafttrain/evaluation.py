@@ -1,0 +1,264 @@
+"""`drafttrain eval` (SPEC §2): held-out prompts through the speculative decoder and the target
+alone, timed side by side in one process, written up as an acceptance report."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from statistics import median
+
+import torch
+
+from .decoding import DraftModelProposer, Generation, NgramProposer, NoProposer, SpeculativeDecoder
+from .decoding.cache import CachedLM
+from .errors import UserError
+from .metrics import PromptResult, compute_metrics, metrics_by_category, predicted_speedup, expected_tokens_per_step
+from .models import context_length, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from .preflight import compatibility_checks, eos_ids, require_compatible
+from .prompts import encode_prompt, read_prompts
+
+
+@dataclass
+class EvalConfig:
+    target: str
+    prompts: list[str]
+    out: str
+    draft: str | None = None
+    method: str | None = None           # "ngram" | "none" (a draft implies "draft")
+    limit: int | None = None
+    num_draft_tokens: int = 5
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+    baseline: str = "ours"
+    ngram_max: int = 3
+
+    def validate(self) -> None:
+        chosen = [x for x in (self.draft and "--draft", self.method and f"--method {self.method}") if x]
+        if len(chosen) != 1:
+            raise UserError("choose exactly one drafter: --draft DIR, --method ngram or --method none"
+                            + (f" (got {' and '.join(chosen)})" if chosen else ""))
+        if self.method not in (None, "ngram", "none"):
+            raise UserError(f"unknown --method {self.method!r}; use ngram or none (or --draft DIR)")
+        if self.num_draft_tokens < 1:
+            raise UserError(f"--num-draft-tokens must be at least 1, got {self.num_draft_tokens}")
+        if self.temperature < 0:
+            raise UserError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.limit is not None and self.limit < 1:
+            raise UserError(f"--limit must be at least 1, got {self.limit}")
+        if self.baseline not in ("ours", "none"):
+            raise UserError(f"unknown --baseline {self.baseline!r}; use ours or none")
+
+    @property
+    def proposer_name(self) -> str:
+        return "draft" if self.draft else self.method
+
+
+@dataclass
+class EncodedPrompt:
+    id: object
+    category: str
+    ids: list[int]
+
+
+@dataclass
+class Engine:
+    """Everything one evaluation needs, loaded and checked once."""
+
+    target: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    eos: set[int]
+    draft: torch.nn.Module | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def load_engine(cfg: EvalConfig) -> Engine:
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    tokenizer = load_tokenizer(cfg.target, "target")
+    draft_tok = load_tokenizer(cfg.draft, "draft") if cfg.draft else None
+    target = load_causal_lm(cfg.target, dtype, device, "target")
+    engine = Engine(target=target, tokenizer=tokenizer, device=device, eos=eos_ids(target, tokenizer))
+    if cfg.draft:
+        engine.draft = load_causal_lm(cfg.draft, dtype, device, "draft")
+        require_compatible(compatibility_checks(target, tokenizer, engine.draft, draft_tok))
+    return engine
+
+
+def encode_prompts(cfg: EvalConfig, engine: Engine) -> list[EncodedPrompt]:
+    records = read_prompts(cfg.prompts, cfg.limit)
+    limit = context_length(engine.target)
+    out = []
+    for r in records:
+        ids = encode_prompt(r, engine.tokenizer)
+        if limit is not None and len(ids) + cfg.max_new_tokens > limit:
+            raise UserError(
+                f"{r.source}: prompt of {len(ids)} tokens plus --max-new-tokens {cfg.max_new_tokens} exceeds the "
+                f"target's context of {limit} tokens; shorten the prompt or lower --max-new-tokens")
+        out.append(EncodedPrompt(r.id, r.category, ids))
+    return out
+
+
+def make_proposer(cfg: EvalConfig, engine: Engine, generator: torch.Generator | None):
+    if cfg.proposer_name == "draft":
+        return DraftModelProposer(engine.draft, engine.target.get_output_embeddings().weight.shape[0],
+                                  cfg.temperature, cfg.top_p, generator)
+    if cfg.proposer_name == "ngram":
+        return NgramProposer(engine.device, max_ngram=cfg.ngram_max)
+    return NoProposer(engine.device)
+
+
+def make_decoder(cfg: EvalConfig, engine: Engine, proposer_factory, seed_offset: int = 0) -> SpeculativeDecoder:
+    generator = None
+    if cfg.temperature > 0:
+        generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + seed_offset)
+    proposer = proposer_factory(generator)
+    return SpeculativeDecoder(engine.target, proposer, num_draft_tokens=cfg.num_draft_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=engine.eos,
+                              generator=generator)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(decoder: SpeculativeDecoder, prompt: list[int], max_new: int) -> tuple[Generation, float]:
+    _sync(decoder.device)
+    start = time.perf_counter()
+    gen = decoder.generate(prompt, max_new)
+    _sync(decoder.device)
+    return gen, time.perf_counter() - start
+
+
+def single_token_seconds(model, prompt: list[int], device: torch.device, repeats: int = 10) -> float:
+    """Median time of one cached single-token forward at this prompt's length."""
+    lm = CachedLM(model)
+    lm.reset()
+    lm.forward(torch.tensor(prompt, dtype=torch.long, device=device))
+    one = torch.tensor(prompt[-1:], dtype=torch.long, device=device)
+    times = []
+    for _ in range(repeats + 2):
+        _sync(device)
+        start = time.perf_counter()
+        lm.forward(one)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        lm.rollback(lm.length - 1)
+    return median(times[2:])
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    from . import __version__
+
+    if device.type == "cuda":
+        name = f"cuda ({torch.cuda.get_device_name(device)})"
+    else:
+        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+            "drafttrain": __version__}
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA max allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process max RSS"
+
+
+def run_eval(cfg: EvalConfig, engine: Engine | None = None, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from .report import write_report
+
+    cfg.validate()
+    read_prompts(cfg.prompts, cfg.limit)  # bad prompt files fail before any model loads
+    engine = engine or load_engine(cfg)
+    prompts = encode_prompts(cfg, engine)
+    torch.manual_seed(cfg.seed)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+
+    spec = make_decoder(cfg, engine, lambda g: make_proposer(cfg, engine, g))
+    base = make_decoder(cfg, engine, lambda g: NoProposer(engine.device)) if cfg.baseline == "ours" else None
+
+    # Warm-up (kernels, allocator, caches) with its own decoders, so the seeded runs are untouched.
+    warm_cfg = EvalConfig(**{**asdict(cfg), "seed": cfg.seed + 1000})
+    for factory in ([lambda g: make_proposer(warm_cfg, engine, g)]
+                    + ([lambda g: NoProposer(engine.device)] if base else [])):
+        make_decoder(warm_cfg, engine, factory).generate(prompts[0].ids, min(8, cfg.max_new_tokens))
+
+    results = []
+    for p in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
+        result = PromptResult(p.id, p.category, *timed_generate(spec, p.ids, cfg.max_new_tokens))
+        if base is not None:
+            result.baseline, result.baseline_seconds = timed_generate(base, p.ids, cfg.max_new_tokens)
+        results.append(result)
+
+    greedy = cfg.temperature == 0
+    k = cfg.num_draft_tokens if cfg.proposer_name != "none" else 0
+    overall = compute_metrics(results, k, greedy)
+    mem, mem_kind = peak_memory(engine.device)
+    overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
+    if k:
+        cost = 0.0
+        if engine.draft is not None:
+            cost = (single_token_seconds(engine.draft, prompts[0].ids, engine.device)
+                    / single_token_seconds(engine.target, prompts[0].ids, engine.device))
+        alpha = overall["acceptance_rate"]
+        overall["predicted"] = {"cost_ratio": cost, "alpha": alpha,
+                                "expected_tokens_per_step": expected_tokens_per_step(alpha, k),
+                                "speedup": predicted_speedup(alpha, k, cost)}
+    report = {
+        "config": asdict(cfg),
+        "environment": environment(engine.device),
+        "overall": overall,
+        "by_category": metrics_by_category(results, k, greedy),
+    }
+    write_report(cfg.out, report, results)
+    return report
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("eval", help="measure acceptance and speedup of a drafter on held-out prompts")
+    p.add_argument("--target", required=True, help="target model: local directory or hub id")
+    p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
+    p.add_argument("--method", help="ngram (prompt lookup) or none (target alone)")
+    p.add_argument("--prompts", action="append", required=True, help="JSONL prompt file (SPEC §1); repeatable")
+    p.add_argument("--limit", type=int, help="at most N prompts from each file")
+    p.add_argument("--num-draft-tokens", type=int, default=5, help="K: drafts per verification step")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda")
+    p.add_argument("--baseline", default="ours", help="ours: also time the target alone; none: skip")
+    p.add_argument("--ngram-max", type=int, default=3, help="longest suffix n-gram for --method ngram")
+    p.add_argument("--out", required=True, help="report directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    cfg = EvalConfig(target=args.target, draft=args.draft, method=args.method, prompts=args.prompts,
+                     limit=args.limit, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
+                     top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
+                     device=args.device, baseline=args.baseline, ngram_max=args.ngram_max, out=args.out)
+    report = run_eval(cfg, progress=not args.quiet)
+    o = report["overall"]
+    speed = f", speedup {o['speedup']:.2f}x" if o["speedup"] is not None else ""
+    print(f"tau {o['mean_accepted_length']:.3f}, acceptance {o['acceptance_rate']:.3f}{speed}; report in {args.out}/report.md")
+    return 0

@@ -1,0 +1,80 @@
+"""Loading target and draft models: device/dtype resolution and friendly errors for bad paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise UserError(f"unknown device {name!r}; use one of auto, cpu, cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} was asked for but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_model_path(path: str, what: str) -> None:
+    """A path that looks local must exist; anything else is treated as a hub id."""
+    looks_local = os.sep in path or path.startswith(".") or Path(path).exists()
+    if looks_local and not Path(path).is_dir():
+        raise UserError(f"{what} {path!r} is not a directory; pass a model directory or a hub id")
+
+
+def load_tokenizer(path: str, what: str = "model"):
+    from transformers import AutoTokenizer
+
+    check_model_path(path, what)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the {what} tokenizer from {path!r} ({first_line(e)}); "
+                        "pass a directory with tokenizer files") from e
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, what: str = "model"):
+    from transformers import AutoModelForCausalLM
+
+    check_model_path(path, what)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the {what} from {path!r} ({first_line(e)}); "
+                        "pass a directory with config.json and weights") from e
+    return model.to(device).eval()
+
+
+def context_length(model) -> int | None:
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,88 @@
+"""Prompt files (SPEC §1): JSONL records -> token ids, with `error: FILE:LINE` for bad records."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+ID_KEYS = ("id", "question_id", "task_id")
+
+
+@dataclass
+class PromptRecord:
+    id: str | int
+    category: str
+    source: str                      # "FILE:LINE", for error messages
+    text: str | None = None          # `prompt`: tokenized verbatim
+    messages: list[dict] | None = None  # `turns` / `messages`: through the chat template
+
+
+def read_prompt_file(path: str | Path) -> list[PromptRecord]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: prompt file not found; pass an existing JSONL file to --prompts")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not valid JSON ({e.msg}); write one JSON object per line") from e
+            if not isinstance(obj, dict):
+                raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            records.append(_parse_record(obj, where, default_id=lineno - 1))
+    if not records:
+        raise UserError(f"{path}: the prompt file is empty; add JSONL lines with a \"prompt\", \"turns\" or \"messages\" field")
+    return records
+
+
+def _parse_record(obj: dict, where: str, default_id: int) -> PromptRecord:
+    pid = next((obj[k] for k in ID_KEYS if k in obj), default_id)
+    category = obj.get("category") or "default"
+    record = PromptRecord(id=pid, category=str(category), source=where)
+    prompt, turns, messages = obj.get("prompt"), obj.get("turns"), obj.get("messages")
+    if isinstance(prompt, str) and prompt:
+        record.text = prompt
+    elif isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0]:
+        record.messages = [{"role": "user", "content": turns[0]}]
+    elif isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in messages
+    ):
+        record.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    else:
+        raise UserError(
+            f"{where}: no usable prompt; give a non-empty \"prompt\" string, a \"turns\" list of strings, "
+            "or a \"messages\" list of {\"role\", \"content\"}"
+        )
+    return record
+
+
+def read_prompts(paths: list[str | Path], limit: int | None = None) -> list[PromptRecord]:
+    """All records of all files in order; `limit` applies per file, so each file is sampled."""
+    out: list[PromptRecord] = []
+    for path in paths:
+        records = read_prompt_file(path)
+        out.extend(records[:limit] if limit else records)
+    return out
+
+
+def encode_prompt(record: PromptRecord, tokenizer) -> list[int]:
+    if record.text is not None:
+        ids = tokenizer(record.text)["input_ids"]
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(
+                f"{record.source}: this record needs a chat template but the target tokenizer has none; "
+                "use a \"prompt\" field instead"
+            )
+        text = tokenizer.apply_chat_template(record.messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise UserError(f"{record.source}: the prompt encodes to zero tokens; give a non-empty prompt")
+    return list(ids)

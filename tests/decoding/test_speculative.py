@@ -1,0 +1,103 @@
+"""Greedy speculative decoding must reproduce the target's own greedy `generate()` exactly."""
+
+import copy
+
+import pytest
+import torch
+from tiny import tiny_lm
+
+from drafttrain.decoding import DraftModelProposer, NgramProposer, NoProposer, SpeculativeDecoder
+
+CPU = torch.device("cpu")
+PROMPTS = [[5, 9, 13, 7, 5, 9], [40], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]]
+
+
+def noisy_copy(model, scale=0.08, seed=7):
+    """A draft close to the target: partial acceptance, so rollbacks of every length happen."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype) * p.std())
+    return draft
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm(0)
+
+
+def reference(target, prompt, max_new, eos=None):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def proposers(target):
+    return {
+        "none": lambda: NoProposer(CPU),
+        "ngram": lambda: NgramProposer(CPU),
+        "random-draft": lambda: DraftModelProposer(tiny_lm(1), 64, 0.0, 1.0, None),
+        "noisy-draft": lambda: DraftModelProposer(noisy_copy(target), 64, 0.0, 1.0, None),
+        "self-draft": lambda: DraftModelProposer(target, 64, 0.0, 1.0, None),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("kind", ["none", "ngram", "random-draft", "noisy-draft", "self-draft"])
+def test_greedy_equals_generate_at_length_limit(target, kind, k):
+    decoder = SpeculativeDecoder(target, proposers(target)[kind](), num_draft_tokens=k)
+    for prompt in PROMPTS:
+        ref = reference(target, prompt, 25)
+        gen = decoder.generate(prompt, 25)
+        assert gen.tokens == ref
+        assert len(gen.accepted_lengths) == len(gen.proposed_lengths) == len(gen.step_tokens)
+        assert sum(gen.step_tokens) == len(gen.tokens)
+        assert all(0 <= a <= m <= k for a, m in zip(gen.accepted_lengths, gen.proposed_lengths))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["none", "ngram", "noisy-draft", "self-draft"])
+def test_greedy_stops_at_eos_like_generate(target, kind, k):
+    for prompt in PROMPTS:
+        free = reference(target, prompt, 30)
+        for eos in {free[3], free[11]}:  # an EOS reached early, and one inside a later step
+            ref = reference(target, prompt, 30, eos=eos)
+            assert ref[-1] == eos and eos not in ref[:-1]
+            decoder = SpeculativeDecoder(target, proposers(target)[kind](), num_draft_tokens=k,
+                                         eos_token_ids={eos})
+            assert decoder.generate(prompt, 30).tokens == ref
+
+
+def test_self_draft_accepts_everything(target):
+    decoder = SpeculativeDecoder(target, DraftModelProposer(target, 64, 0.0, 1.0, None), num_draft_tokens=4)
+    gen = decoder.generate(PROMPTS[0], 21)  # 4 full steps of 5 tokens, then a last step of 1
+    assert gen.accepted_lengths == [4, 4, 4, 4, 0]
+    assert gen.proposed_lengths == [4, 4, 4, 4, 0]
+
+
+def test_plain_decoding_is_one_token_per_forward(target):
+    gen = SpeculativeDecoder(target, NoProposer(CPU), num_draft_tokens=5).generate(PROMPTS[0], 12)
+    assert gen.step_tokens == [1] * 12 and gen.accepted_lengths == [0] * 12
+
+
+def test_padded_draft_vocabulary(target):
+    """A draft with extra (never used) embedding rows still decodes losslessly."""
+    draft = noisy_copy(target)
+    draft.resize_token_embeddings(80)
+    with torch.no_grad():
+        draft.lm_head.weight[64:] = 100.0  # would win every argmax if not masked off
+    decoder = SpeculativeDecoder(target, DraftModelProposer(draft, 64, 0.0, 1.0, None), num_draft_tokens=3)
+    gen = decoder.generate(PROMPTS[0], 20)
+    assert gen.tokens == reference(target, PROMPTS[0], 20)
+    assert sum(gen.accepted_lengths) > 0
+
+
+def test_ngram_lookup_continues_latest_match():
+    from drafttrain.decoding import ngram_lookup
+
+    seq = [1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3]
+    assert ngram_lookup(seq, 3, max_ngram=3) == [4, 5, 1]  # latest occurrence of (1,2,3)
+    assert ngram_lookup([7, 8, 9], 2) == []
+    assert ngram_lookup([5, 6, 5], 2, max_ngram=3) == [6, 5]
+    assert ngram_lookup(seq, 0) == []

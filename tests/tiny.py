@@ -1,0 +1,49 @@
+"""Tiny random models and tokenizers that the tests build themselves (no hub access)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' + message['content'] + "
+    "'<|im_end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
+)
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_lm(seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32,
+            dtype: torch.dtype = torch.float64, eos_token_id: int = 2, max_positions: int = 256,
+            sharpness: float = 8.0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_positions, eos_token_id=eos_token_id,
+                      bos_token_id=None, pad_token_id=eos_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    # Sharper distributions than the default init, so greedy paths are not knife-edge ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    return model
+
+
+def tiny_tokenizer(vocab_size: int = 64, chat_template: bool = True) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: token i is the word `w{i}` (specials first), split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for i in range(len(SPECIALS), vocab_size):
+        vocab[f"w{i}"] = i
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", additional_special_tokens=SPECIALS[1:])
+    if chat_template:
+        tok.chat_template = CHATML
+    return tok
+
+
+def save_pair(path, model, tokenizer):
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
