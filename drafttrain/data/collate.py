@@ -1,0 +1,103 @@
+"""Training batches: prompt + response in one sequence, loss only where the next token is a response token.
+
+Conventions (the training loop relies on them):
+- `loss_mask[t]` is True iff the prediction made AT position t (of token t+1) targets a response token,
+  i.e. t in [len(prompt) - 1, len(sequence) - 2].
+- `labels` are ALREADY SHIFTED: `labels[t] = input_ids[t + 1]` where `loss_mask[t]`, else -100. Use
+  `cross_entropy(logits[:, t], labels[:, t])` directly; do not pass them to a Hugging Face model's
+  `labels=` (which shifts again).
+- `topk_ids` / `topk_logprobs` are aligned the same way: row t is the target's top-k at position t.
+  Rows outside `loss_mask` are zeros and must be ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def pack_example(
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    max_seq_len: int,
+    topk_ids: Sequence[Sequence[int]] | None = None,
+    topk_logprobs: Sequence[Sequence[float]] | None = None,
+) -> dict:
+    """One sequence of at most `max_seq_len` tokens. The response is truncated first. A prompt that
+    leaves no room keeps only its last `max_seq_len - 1` tokens (those nearest the answer matter most)
+    plus the first response token, so every example with a response still trains on something."""
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    prompt, response = list(prompt_ids), list(response_ids)
+    if not prompt:
+        raise ValueError("an example needs at least one prompt token")
+    if response and len(prompt) >= max_seq_len:
+        prompt = prompt[len(prompt) - (max_seq_len - 1):]
+    elif len(prompt) > max_seq_len:  # no response at all: nothing to learn, just keep the shape valid
+        prompt = prompt[len(prompt) - max_seq_len:]
+    response = response[: max_seq_len - len(prompt)]
+    n_prompt, n_resp = len(prompt), len(response)
+    seq_len = n_prompt + n_resp
+    loss_mask = [False] * seq_len
+    for t in range(n_prompt - 1, seq_len - 1):
+        loss_mask[t] = True
+    example = {"input_ids": prompt + response, "loss_mask": loss_mask}
+    if topk_ids is not None and topk_logprobs is not None:
+        k = len(topk_ids[0]) if len(topk_ids) else 0
+        ids = [[0] * k for _ in range(seq_len)]
+        logprobs = [[0.0] * k for _ in range(seq_len)]
+        # Response token j (at position n_prompt + j) is predicted at position n_prompt - 1 + j.
+        for j in range(n_resp):
+            ids[n_prompt - 1 + j] = list(topk_ids[j])
+            logprobs[n_prompt - 1 + j] = list(topk_logprobs[j])
+        example |= {"topk_ids": ids, "topk_logprobs": logprobs}
+    return example
+
+
+def collate(batch: Sequence[dict], pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad packed examples into `input_ids`, `attention_mask`, `loss_mask` (bool), `labels`,
+    and `topk_ids` / `topk_logprobs` [B, T, k] when the examples carry them."""
+    width = max(len(ex["input_ids"]) for ex in batch)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    B = len(batch)
+    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, width), dtype=torch.long)
+    loss_mask = torch.zeros((B, width), dtype=torch.bool)
+    has_topk = "topk_ids" in batch[0]
+    if has_topk:
+        k = max((len(row) for ex in batch for row in ex["topk_ids"]), default=0)
+        topk_ids = torch.zeros((B, width, k), dtype=torch.long)
+        topk_logprobs = torch.zeros((B, width, k), dtype=torch.float32)
+    for b, ex in enumerate(batch):
+        n = len(ex["input_ids"])
+        input_ids[b, :n] = torch.as_tensor(ex["input_ids"], dtype=torch.long)
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = torch.as_tensor(ex["loss_mask"], dtype=torch.bool)
+        if has_topk and k:
+            topk_ids[b, :n] = torch.as_tensor(ex["topk_ids"], dtype=torch.long).reshape(n, k)
+            topk_logprobs[b, :n] = torch.as_tensor(ex["topk_logprobs"], dtype=torch.float32).reshape(n, k)
+    labels = torch.full((B, width), IGNORE_INDEX, dtype=torch.long)
+    labels[:, :-1] = torch.where(loss_mask[:, :-1], input_ids[:, 1:], IGNORE_INDEX)
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "labels": labels}
+    if has_topk:
+        out |= {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs}
+    return out
+
+
+class DistillCollator:
+    """`collate_fn` for a DataLoader over `generate_responses` rows: packs, then pads."""
+
+    def __init__(self, max_seq_len: int, pad_id: int, pad_to_multiple_of: int | None = None):
+        self.max_seq_len, self.pad_id, self.pad_to_multiple_of = max_seq_len, pad_id, pad_to_multiple_of
+
+    def __call__(self, rows: Sequence[dict]) -> dict[str, torch.Tensor]:
+        packed = [
+            pack_example(r["prompt_ids"], r["response_ids"], self.max_seq_len,
+                         r.get("topk_ids"), r.get("topk_logprobs"))
+            for r in rows
+        ]
+        return collate(packed, self.pad_id, self.pad_to_multiple_of)

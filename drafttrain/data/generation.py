@@ -1,0 +1,179 @@
+"""The target answers the training prompts itself: a draft that imitates the target's own outputs
+is accepted far more often than one trained on someone else's text. Answers are cached on disk,
+keyed by everything that determines them, because regenerating them costs as much as training."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..fileio import atomic_dir
+from ..prompts import PromptRecord, encode_prompt
+from .config import DataConfig
+
+CACHE_FORMAT = 1  # bump when the stored columns or their meaning change
+
+
+def end_token_ids(tokenizer, model=None) -> list[int]:
+    """Tokens that end a turn: the tokenizer's EOS plus any the model's generation config adds
+    (instruct models often stop on several, e.g. `<|im_end|>` and `<|endoftext|>`)."""
+    ids: list[int] = []
+    candidates = [tokenizer.eos_token_id]
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    candidates += gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+    for i in candidates:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token and the model's generation config names none")
+    return ids
+
+
+def target_fingerprint(model_path_or_name: str, model, n_values: int = 1024) -> str:
+    """A cheap identity of the target: path, config, and a strided sample of every weight tensor
+    (values and dtype), so a fine-tuned or re-cast target never reuses another model's cached answers."""
+    h = hashlib.sha256()
+    path = Path(model_path_or_name)
+    h.update((str(path.resolve()) if path.exists() else str(model_path_or_name)).encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // n_values)][:n_values]
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(sample.to(torch.float64).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def cache_key(fingerprint: str, prompts: Sequence[Sequence[int]], cfg: DataConfig, eos_ids: Sequence[int]) -> str:
+    sampling = cfg.response_temperature > 0
+    settings = {
+        "format": CACHE_FORMAT,
+        "target": fingerprint,
+        "temperature": cfg.response_temperature,
+        "top_p": cfg.response_top_p if sampling else None,
+        "max_response_tokens": cfg.max_response_tokens,
+        "store_topk": cfg.store_topk,
+        "eos": sorted(eos_ids),
+        # Greedy answers do not depend on the seed or on how prompts are batched; samples do.
+        "seed": cfg.seed if sampling else None,
+        "batch_size": cfg.generation_batch_size if sampling else None,
+    }
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for ids in prompts:
+        h.update(json.dumps(list(ids)).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def generate_responses(
+    target_model,
+    tokenizer,
+    records: list[PromptRecord],
+    cfg: DataConfig,
+    *,
+    eos_token_id: int | Sequence[int],
+    cache_dir: str | Path | None = None,
+    target_fingerprint: str,
+):
+    """Rows `prompt_ids`, `response_ids` (ending with EOS when the target stopped) and, if
+    `cfg.store_topk` > 0, `topk_ids` / `topk_logprobs` of shape [len(response), k]: the target's
+    top-k log-softmax (temperature 1) at each response position. Row i answers records[i]."""
+    import datasets
+
+    cfg.validate()
+    eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
+    prompts = [encode_prompt(r, tokenizer) for r in records]
+    path = Path(cache_dir or cfg.cache_dir) / cache_key(target_fingerprint, prompts, cfg, eos_ids)
+    if path.is_dir():  # only complete datasets are ever renamed into place
+        return datasets.load_from_disk(str(path))
+
+    responses, topk_ids, topk_logprobs = _generate_all(target_model, tokenizer, prompts, cfg, eos_ids)
+    List = getattr(datasets, "List", None) or datasets.Sequence  # `List` since datasets 4
+    columns = {"prompt_ids": prompts, "response_ids": responses}
+    features = {"prompt_ids": List(datasets.Value("int32")), "response_ids": List(datasets.Value("int32"))}
+    if cfg.store_topk:
+        columns |= {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs}
+        features |= {"topk_ids": List(List(datasets.Value("int32"))),
+                     "topk_logprobs": List(List(datasets.Value("float32")))}
+    dataset = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+    try:
+        with atomic_dir(path) as tmp:
+            dataset.save_to_disk(str(tmp))
+            meta = {"prompts": len(prompts), "target_fingerprint": target_fingerprint, "eos": eos_ids,
+                    **{k: getattr(cfg, k) for k in ("response_temperature", "response_top_p",
+                                                    "max_response_tokens", "store_topk", "seed")}}
+            (tmp / "drafttrain_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    except FileExistsError:
+        pass  # another process cached the same key first; its content is equivalent
+    return datasets.load_from_disk(str(path))
+
+
+@torch.inference_mode()
+def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]):
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    sampling = cfg.response_temperature > 0
+    sample_kwargs = (
+        # top_k=0 switches off transformers' default top-k of 50: we want the target's own distribution.
+        dict(do_sample=True, temperature=cfg.response_temperature, top_p=cfg.response_top_p, top_k=0)
+        if sampling else dict(do_sample=False)
+    )
+    k = cfg.store_topk
+    n = len(prompts)
+    responses: list = [None] * n
+    topk_ids: list = [None] * n
+    topk_logprobs: list = [None] * n
+    # Longest first: similar lengths share a batch (little padding) and an out-of-memory shows up at once.
+    order = sorted(range(n), key=lambda i: -len(prompts[i]))
+    bs = cfg.generation_batch_size
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(cfg.seed)
+        for start in tqdm(range(0, n, bs), desc="target responses", unit="batch"):
+            idx = order[start:start + bs]
+            input_ids, attention_mask = left_pad([prompts[i] for i in idx], pad_id, device)
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.max_response_tokens,
+                eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
+                output_logits=k > 0, **sample_kwargs,
+            )
+            new_tokens = out.sequences[:, input_ids.shape[1]:].tolist()
+            if k:
+                logits = torch.stack(out.logits, dim=1)  # [B, steps, V], unprocessed
+                logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+                values, indices = logprobs.topk(k, dim=-1)
+                values, indices = values.float().cpu(), indices.cpu()
+            for row, i in enumerate(idx):
+                responses[i] = cut_at_eos(new_tokens[row], eos_ids)
+                if k:
+                    m = len(responses[i])
+                    topk_ids[i] = indices[row, :m].tolist()
+                    topk_logprobs[i] = values[row, :m].tolist()
+    return responses, topk_ids, topk_logprobs
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left padding keeps every row's last prompt token in the last column, where generation continues."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, r in enumerate(rows):
+        if r:
+            input_ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            attention_mask[j, width - len(r):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """Up to and including the first EOS; what follows is padding of a finished row."""
+    eos = set(eos_ids)
+    for t, tok in enumerate(tokens):
+        if tok in eos:
+            return list(tokens[: t + 1])
+    return list(tokens)

@@ -1,0 +1,203 @@
+"""Save and load Medusa heads in vLLM's Medusa format.
+
+vLLM (`vllm/model_executor/models/medusa.py`, `vllm/transformers_utils/configs/medusa.py`)
+builds `blocks.{i}.layers.{j}` as Linear(H, H, bias=config.medusa_fc_bias) and `lm_heads.{i}`
+as a bias-free [V, H] projection, and silently skips checkpoint keys it has no parameter for.
+So `medusa_fc_bias: true` must be in config.json or vLLM would drop our biases. vLLM's config
+loader also renames every key containing "num" and "heads" to `num_heads` (and "num" +
+"layers" to `num_hidden_layers`), so no other such key may appear in config.json.
+
+`load_medusa` also reads the original Medusa repository's layout (`{i}.{j}.linear.weight|bias`,
+`{i}.{num_layers}.weight`, config `medusa_num_heads` / `medusa_num_layers`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..fileio import atomic_dir
+from .model import MedusaConfig, MedusaHeads
+
+WEIGHTS_NAME = "model.safetensors"
+_ORIGINAL_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float64: "float64"}
+
+
+def _is_renamed_by_vllm(key: str) -> bool:
+    return "num" in key and ("heads" in key or "layers" in key)
+
+
+def medusa_config_dict(config: MedusaConfig, dtype: torch.dtype, extra: dict | None = None) -> dict:
+    cfg = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "num_heads": config.num_heads,
+        "num_hidden_layers": config.num_layers,
+        "truncated_vocab_size": config.vocab_size,
+        "medusa_fc_bias": True,
+        "original_lm_head": False,
+        "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+    }
+    for key, value in (extra or {}).items():
+        if key in cfg:
+            raise ValueError(f"extra config key {key!r} would overwrite a Medusa config field")
+        if _is_renamed_by_vllm(key):
+            raise ValueError(f"extra config key {key!r} contains 'num' and 'heads'/'layers'; vLLM's "
+                             "MedusaConfig would read it as num_heads/num_hidden_layers, so rename it")
+        cfg[key] = value
+    return cfg
+
+
+def _model_card(cfg: dict, notes: str | None) -> str:
+    base = cfg.get("base_model") or cfg.get("base_model_name_or_path") or "TARGET"
+    lines = [
+        "---",
+        "library_name: vllm",
+        "tags: [medusa, speculative-decoding, drafttrain]",
+        "---",
+        "",
+        "# Medusa heads",
+        "",
+        f"{cfg['num_heads']} Medusa heads (Cai et al. 2024) with {cfg['num_hidden_layers']} residual "
+        f"block(s) each, for a target with hidden size {cfg['hidden_size']} and vocabulary "
+        f"{cfg['vocab_size']}. Head i predicts the token i + 2 steps past the target's last hidden "
+        "state. Trained with drafttrain; stored in vLLM's Medusa format.",
+        "",
+        "```python",
+        "from vllm import LLM",
+        f'llm = LLM(model="{base}", speculative_config={{"method": "medusa", '
+        f'"model": "<this directory>", "num_speculative_tokens": {cfg["num_heads"]}}})',
+        "```",
+        "",
+        "Also: `drafttrain eval --target TARGET --heads <this directory> ...`",
+    ]
+    if notes:
+        lines += ["", notes.strip()]
+    return "\n".join(lines) + "\n"
+
+
+def save_medusa(heads: MedusaHeads, out_dir, extra: dict | None = None, card_notes: str | None = None) -> Path:
+    """Write config.json, model.safetensors (vLLM key names) and README.md, atomically."""
+    from safetensors.torch import save_file
+
+    dtype = next(heads.parameters()).dtype
+    cfg = medusa_config_dict(heads.config, dtype, extra)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in heads.state_dict().items()}
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "README.md").write_text(_model_card(cfg, card_notes))
+    return out_dir
+
+
+def _config_int(cfg: dict, key: str, path: Path) -> int:
+    value = cfg[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise UserError(f"{path}/config.json: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    for name in (WEIGHTS_NAME, *_ORIGINAL_WEIGHTS):
+        file = path / name
+        if not file.is_file():
+            continue
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    raise UserError(f"Medusa heads directory {path} has no {WEIGHTS_NAME}; "
+                    "pass a directory written by drafttrain (vLLM Medusa format)")
+
+
+def _to_vllm_names(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Strip `medusa_heads.`/`medusa_head.` prefixes; map the original Medusa layout to vLLM's."""
+    out = {}
+    for key, value in state.items():
+        key = re.sub(r"^medusa_heads?\.", "", key)
+        if m := re.fullmatch(r"(\d+)\.(\d+)\.linear\.(weight|bias)", key):
+            key = f"blocks.{m[1]}.layers.{m[2]}.{m[3]}"
+        elif (m := re.fullmatch(r"(\d+)\.(\d+)\.weight", key)) and int(m[2]) == num_layers:
+            key = f"lm_heads.{m[1]}.weight"
+        out[key] = value
+    return out
+
+
+def load_medusa(path, device=None, dtype: torch.dtype | None = None) -> MedusaHeads:
+    """Read heads saved by `save_medusa` (or the original Medusa layout); dtype defaults to the file's."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"Medusa heads directory {str(path)!r} does not exist; pass the directory "
+                        "written by train_heads (it holds config.json and model.safetensors)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{path} has no config.json; pass a Medusa heads directory "
+                        "(vLLM format: config.json with model_type 'medusa' + model.safetensors)")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config_file} is not valid JSON ({e.msg} at line {e.lineno}); re-export the heads")
+    if not isinstance(cfg, dict):
+        raise UserError(f"{config_file} must hold a JSON object; re-export the heads")
+
+    # Same key folding as vLLM's MedusaConfig.from_pretrained (covers medusa_num_heads etc.).
+    for key in list(cfg):
+        if "num" in key and "heads" in key:
+            cfg["num_heads"] = cfg.pop(key)
+        elif "num" in key and "layers" in key:
+            cfg["num_hidden_layers"] = cfg.pop(key)
+    is_medusa = cfg.get("model_type") == "medusa" or "MedusaModel" in (cfg.get("architectures") or [])
+    if not is_medusa and "num_heads" not in cfg:
+        raise UserError(f"{config_file} is not a Medusa config: it lacks model_type 'medusa' and "
+                        f"num_heads (model_type is {cfg.get('model_type')!r}); pass a Medusa heads directory")
+    if "num_heads" not in cfg:
+        raise UserError(f"{config_file} lacks num_heads; re-export the heads with drafttrain")
+    num_heads = _config_int(cfg, "num_heads", path)
+    num_layers = _config_int(cfg, "num_hidden_layers", path) if "num_hidden_layers" in cfg else 1
+    vocab = cfg.get("vocab_size")
+    if cfg.get("truncated_vocab_size") not in (None, vocab):
+        raise UserError(f"{config_file}: truncated_vocab_size (token_map) heads are not supported; "
+                        "export heads over the full vocabulary")
+
+    state = _to_vllm_names(_read_weights(path), num_layers)
+    state.pop("token_map", None)
+    if cfg.get("original_lm_head") and "lm_heads.0.weight" in state:
+        for i in range(1, num_heads):  # vLLM shares one LM head across all heads in this mode
+            state.setdefault(f"lm_heads.{i}.weight", state["lm_heads.0.weight"])
+    if "lm_heads.0.weight" not in state:
+        raise UserError(f"{path} weights lack lm_heads.0.weight; pass a Medusa heads directory")
+    V, H = state["lm_heads.0.weight"].shape
+    for key, value in (("hidden_size", H), ("vocab_size", V)):
+        if key in cfg and cfg[key] != value:
+            raise UserError(f"{config_file}: {key} is {cfg[key]} but the weights have {value}; re-export the heads")
+
+    file_dtype = state["lm_heads.0.weight"].dtype
+    config = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=num_heads, num_layers=num_layers)
+    heads = MedusaHeads(config, dtype=file_dtype)  # the file's dtype: no lossy round trip
+    expected = heads.state_dict()
+    for key, value in expected.items():  # vLLM's medusa_fc_bias=false: no biases, i.e. zero biases
+        if key.endswith(".bias") and key not in state:
+            state[key] = torch.zeros_like(value)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise UserError(f"{path} weights do not match the config (missing: {missing[:3]}, "
+                        f"unexpected: {unexpected[:3]}); re-export the heads")
+    for key, value in state.items():
+        if value.shape != expected[key].shape:
+            raise UserError(f"{path}: {key} has shape {tuple(value.shape)}, expected "
+                            f"{tuple(expected[key].shape)}; re-export the heads")
+    heads.load_state_dict(state)
+    if dtype is not None:
+        heads = heads.to(dtype=dtype)
+    return heads.to(device) if device is not None else heads

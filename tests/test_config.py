@@ -1,0 +1,188 @@
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import pytest
+import yaml
+
+from drafttrain.config import (
+    config_from_argv,
+    config_to_dict,
+    describe_config,
+    doc_field,
+    documented,
+    dump_config_yaml,
+    load_config,
+    undocumented_fields,
+)
+from drafttrain.errors import UserError
+
+
+@dataclass
+class Source:
+    path: str = documented(doc="JSONL file to read.")
+    weight: float = doc_field(1.0, "Sampling weight.")
+
+
+@dataclass
+class Optim:
+    lr: float = doc_field(3e-4, "Peak learning rate.")
+    betas: tuple[float, float] = doc_field((0.9, 0.95), "AdamW betas.")
+    schedule: Literal["cosine", "linear", "constant"] = doc_field("cosine", "LR schedule.")
+
+
+@dataclass
+class Data:
+    sources: list[Source] = documented([], doc="Training sources.")
+    max_len: int = doc_field(512, "Tokens per sequence.")
+    seed: Optional[int] = doc_field(None, "Shuffle seed; null = unshuffled.")
+
+
+@dataclass
+class Teacher:
+    path: str = documented(doc="Teacher model directory.")
+    temperature: float = doc_field(1.0, "Softmax temperature.")
+
+
+@dataclass
+class Recipe:
+    run_name: str = doc_field("run", "Name of the run.")
+    steps: int = doc_field(100, "Optimizer steps.")
+    bf16: bool = doc_field(False, "Train in bfloat16.")
+    tags: list[str] = documented(["a"], doc="Free-form tags.")
+    out: Path = doc_field(Path("out"), "Output directory.")
+    optim: Optim = documented(Optim(), doc="Optimizer settings.")
+    data: Data = documented(Data(), doc="Data settings.")
+    teacher: Optional[Teacher] = doc_field(None, "Optional teacher.")
+
+
+@dataclass
+class Sloppy:
+    ok: int = doc_field(1, "Documented.")
+    bad: int = 2
+    inner: Source = dataclasses.field(default_factory=lambda: Source("x"))
+
+
+def write(tmp_path, text: str) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    cfg = load_config(Recipe, None, [])
+    assert cfg == Recipe()
+    path = write(tmp_path, """
+steps: 7
+optim:
+  lr: 1e-3          # YAML 1.1 reads this as a string; a float field must still accept it
+  schedule: linear
+data:
+  sources:
+    - {path: a.jsonl}
+    - {path: b.jsonl, weight: 2}
+""")
+    cfg = load_config(Recipe, path, ["optim.lr=2e-5", "data.seed=3", "bf16=true", "run_name=2024",
+                                     "teacher.path=/t", "tags=[x, y]"])
+    assert cfg.steps == 7 and cfg.bf16 is True and cfg.run_name == "2024"
+    assert cfg.optim == Optim(lr=2e-5, schedule="linear") and isinstance(cfg.optim.lr, float)
+    assert cfg.data.sources == [Source("a.jsonl"), Source("b.jsonl", 2.0)]
+    assert isinstance(cfg.data.sources[1].weight, float)
+    assert cfg.data.seed == 3 and cfg.tags == ["x", "y"] and cfg.teacher == Teacher("/t")
+    assert cfg.out == Path("out") and cfg.optim.betas == (0.9, 0.95)
+    # overrides replace whole lists and can null an Optional
+    cfg = load_config(Recipe, path, ["data.sources=[{path: c}]", "data.seed=null", "optim.betas=[0.8, 0.9]"])
+    assert cfg.data.sources == [Source("c")] and cfg.data.seed is None and cfg.optim.betas == (0.8, 0.9)
+
+
+def test_mutable_defaults_are_not_shared():
+    a, b = Recipe(), Recipe()
+    a.tags.append("z")
+    a.optim.lr = 1.0
+    assert b.tags == ["a"] and b.optim.lr == 3e-4
+
+
+@pytest.mark.parametrize("override, words", [
+    (["optim.lrr=1"], ["'optim.lrr'", "'optim.lr'"]),
+    (["lr=1"], ["'lr'", "'optim.lr'"]),
+    (["data.sources=[{path: a, wieght: 2}]"], ["'data.sources[0].wieght'", "'data.sources[0].weight'"]),
+    (["optim.lr=fast"], ["'optim.lr'", "float", "'fast'"]),
+    (["steps=1.5"], ["'steps'", "int", "1.5"]),
+    (["bf16=3"], ["'bf16'", "bool", "3"]),
+    (["optim.schedule=step"], ["'optim.schedule'", "'cosine'", "'step'"]),
+    (["optim.betas=[1]"], ["'optim.betas'", "2 items"]),
+    (["tags=x"], ["'tags'", "list[str]"]),
+    (["teacher.temperature=2"], ["'teacher.path'", "required"]),
+    (["steps"], ["'steps'", "key=value"]),
+    (["optim=3"], ["'optim'", "section"]),
+    (["steps.x=1"], ["'steps'", "expects int", "{'x': 1}"]),
+])
+def test_override_errors_name_the_key(override, words):
+    with pytest.raises(UserError) as e:
+        load_config(Recipe, None, override)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(Recipe, tmp_path / "missing.yaml", [])
+    with pytest.raises(UserError, match=r"unknown config key 'data.max_lenn'; did you mean 'data.max_len'"):
+        load_config(Recipe, write(tmp_path, "data:\n  max_lenn: 3\n"), [])
+    with pytest.raises(UserError, match="mapping"):
+        load_config(Recipe, write(tmp_path, "- 1\n- 2\n"), [])
+    with pytest.raises(UserError, match=r"'steps' is a value, not a section"):
+        load_config(Recipe, write(tmp_path, "steps: 3\n"), ["steps.x=1"])
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(Recipe, write(tmp_path, "a: [1,\n"), [])
+    with pytest.raises(UserError, match=r"'run_name' expects str; got 5"):
+        load_config(Recipe, write(tmp_path, "run_name: 5\n"), [])  # only command-line text is coerced
+    assert load_config(Recipe, write(tmp_path, ""), []) == Recipe()
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(Recipe, None, ["data.sources=[{path: a}, {path: b, weight: 0.5}]", "teacher.path=t",
+                                      "optim.schedule=constant", "out=/x/y"])
+    text = dump_config_yaml(cfg)
+    plain = yaml.safe_load(text)
+    assert plain == config_to_dict(cfg)
+    assert plain["optim"]["betas"] == [0.9, 0.95] and plain["out"] == "/x/y"
+    assert plain["data"]["sources"][1] == {"path": "b", "weight": 0.5}
+    assert load_config(Recipe, write(tmp_path, text), []) == cfg
+
+
+def test_every_field_is_documented_and_described():
+    assert undocumented_fields(Recipe) == []
+    assert undocumented_fields(Sloppy) == ["bad", "inner"]
+    text = describe_config(Recipe)
+    expected = {"run_name", "steps", "bf16", "tags", "out", "optim", "optim.lr", "optim.betas",
+                "optim.schedule", "data", "data.sources", "data.sources[].path", "data.sources[].weight",
+                "data.max_len", "data.seed", "teacher", "teacher.path", "teacher.temperature"}
+    listed = {line.split(":")[0] for line in text.splitlines()[2:] if line and not line.startswith(" ")}
+    assert listed == expected
+    assert "optim.lr: float = 0.0003\n    Peak learning rate." in text
+    assert "optim.schedule: 'cosine' | 'linear' | 'constant' = \"cosine\"" in text
+    assert "teacher.path: str = (required)" in text
+    assert "data.seed: int | null = null" in text
+
+
+def test_documented_requires_doc():
+    with pytest.raises(ValueError):
+        documented(1, doc="  ")
+
+
+def test_config_from_argv(tmp_path, capsys):
+    path = write(tmp_path, "steps: 9\n")
+    cfg = config_from_argv(Recipe, ["--config", path, "optim.lr=0.1"])
+    assert cfg.steps == 9 and cfg.optim.lr == 0.1
+    assert config_from_argv(Recipe, [f"--config={path}"]).steps == 9
+    with pytest.raises(UserError, match="unknown option '--lr'"):
+        config_from_argv(Recipe, ["--lr", "1"])
+    with pytest.raises(SystemExit):
+        config_from_argv(Recipe, ["--help"])
+    assert "optim.lr" in capsys.readouterr().out

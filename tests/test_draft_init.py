@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from drafttrain.draft_init import draft_from_target, parse_layer_spec
+from drafttrain.errors import UserError
+
+
+def tiny_llama(layers=6, tie=False, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                      attn_implementation="eager")
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
+def manual_logits(target, ids, layers):
+    """Brute force: embed -> the chosen target layers, one by one with an explicit causal mask -> norm -> head."""
+    T = ids.shape[1]
+    x = target.model.embed_tokens(ids)
+    pos = torch.arange(T)[None]
+    cos_sin = target.model.rotary_emb(x, pos)
+    mask = torch.full((T, T), float("-inf"), dtype=x.dtype).triu(1)[None, None]
+    for i in layers:
+        out = target.model.layers[i](x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        x = out[0] if isinstance(out, tuple) else out
+    return target.lm_head(target.model.norm(x))
+
+
+def greedy_no_cache(model, ids, n):
+    for _ in range(n):
+        nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def test_parse_layer_spec():
+    assert parse_layer_spec("every:5", 12) == [0, 5, 10]
+    assert parse_layer_spec("every:1", 3) == [0, 1, 2]
+    assert parse_layer_spec("first:2", 6) == [0, 1]
+    assert parse_layer_spec("0, 4,8", 12) == [0, 4, 8]
+    assert parse_layer_spec("0,-1", 12) == [0, 11]
+    assert parse_layer_spec([1, 3], 6) == [1, 3]
+    for spec, words in [("0,6", "out of range"), ([-7], "out of range"), ("first:7", "7 layers"),
+                        ("every:0", "at least 1"), ("2,1", "increasing"), ("0,0", "increasing"),
+                        ("half", "not understood"), ([], "no layers"), ([True], "not understood")]:
+        with pytest.raises(UserError, match=words):
+            parse_layer_spec(spec, 6)
+
+
+@torch.no_grad()
+def test_all_layers_is_the_target():
+    target = tiny_llama()
+    draft = draft_from_target(target, list(range(6)))
+    assert type(draft) is LlamaForCausalLM and draft.config.num_hidden_layers == 6
+    ids = torch.randint(0, 96, (2, 11))
+    assert torch.equal(draft(ids).logits, target(ids).logits)
+    # the manual reference is itself faithful to the target
+    torch.testing.assert_close(manual_logits(target, ids, range(6)), target(ids).logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@torch.no_grad()
+def test_layer_subset_matches_brute_force(tie):
+    target = tiny_llama(tie=tie)
+    draft = draft_from_target(target, "every:2")
+    assert draft.config.num_hidden_layers == 3 and len(draft.model.layers) == 3
+    assert [layer.self_attn.layer_idx for layer in draft.model.layers] == [0, 1, 2]
+    assert draft.dtype == torch.float64 and not draft.training
+    ids = torch.randint(0, 96, (2, 13))
+    torch.testing.assert_close(draft(ids).logits, manual_logits(target, ids, [0, 2, 4]), rtol=0, atol=1e-12)
+    assert not torch.allclose(draft(ids).logits, target(ids).logits)  # the reference can tell them apart
+    # weights are copies (training the draft must not touch the target); tying follows the target
+    assert draft.model.embed_tokens.weight.data_ptr() != target.model.embed_tokens.weight.data_ptr()
+    assert (draft.lm_head.weight is draft.model.embed_tokens.weight) == tie
+    assert (target.lm_head.weight is target.model.embed_tokens.weight) == tie
+
+
+@torch.no_grad()
+def test_cached_generation_matches_no_cache_argmax():
+    target = tiny_llama()
+    draft = draft_from_target(target, [1, 3, 5])
+    ids = torch.randint(0, 96, (1, 7))
+    out = draft.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
+    assert out.shape[1] == 17
+    assert torch.equal(out, greedy_no_cache(draft, ids, 10))
+
+
+@torch.no_grad()
+def test_per_layer_config_lists_are_subset():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, head_dim=8,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                      use_sliding_window=True, sliding_window=3, bos_token_id=None, eos_token_id=None)
+    target = Qwen3ForCausalLM(cfg).to(torch.float64).eval()
+    draft = draft_from_target(target, "1,2")
+    assert draft.config.layer_types == ["sliding_attention", "full_attention"]
+    assert target.config.layer_types == cfg.layer_types  # the target's config is untouched
+    ids = torch.randint(0, 64, (1, 9))
+    out = draft.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
+    assert torch.equal(out, greedy_no_cache(draft, ids, 10))
+    full = draft_from_target(target, "every:1")
+    assert torch.equal(full(ids).logits, target(ids).logits)
+
+
+@torch.no_grad()
+def test_gpt2_layout():
+    torch.manual_seed(0)
+    target = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                                        bos_token_id=None, eos_token_id=None)).to(torch.float64).eval()
+    draft = draft_from_target(target, "first:2")
+    assert draft.config.n_layer == 2 and len(draft.transformer.h) == 2
+    ids = torch.randint(0, 64, (1, 6))
+    out = draft.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
+    assert torch.equal(out, greedy_no_cache(draft, ids, 10))
+    assert torch.equal(draft_from_target(target, "every:1")(ids).logits, target(ids).logits)
+
+
+def test_unsupported_model_names_its_type():
+    class Odd(torch.nn.Module):
+        class config:
+            model_type = "oddformer"
+
+    with pytest.raises(UserError, match="'oddformer'"):
+        draft_from_target(Odd(), "every:2")
