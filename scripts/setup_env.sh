@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with drafttrain and its dependencies. torch is pinned to the local CPU
+# wheel first, and through constraints.txt for everything after, so no CUDA packages are pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${DRAFTTRAIN_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import drafttrain, torch, transformers, accelerate, deepspeed, pytest" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  PIP_CONSTRAINT="$PWD/constraints.txt" "$VENV/bin/python" -m pip install -q -e ".[dev]"
+fi
+echo "$VENV"

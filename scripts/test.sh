@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite: tiny random models on CPU, a few minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=$(bash scripts/setup_env.sh | tail -1)
+export WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/drafttrain/torch_extensions}
+exec "$VENV/bin/python" -m pytest tests "$@"
