@@ -4,6 +4,7 @@ alone, timed side by side in one process, written up as an acceptance report."""
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import resource
 import time
@@ -48,7 +49,7 @@ class EvalConfig:
             raise UserError(f"unknown --method {self.method!r}; use ngram or none (or --draft DIR)")
         if self.num_draft_tokens < 1:
             raise UserError(f"--num-draft-tokens must be at least 1, got {self.num_draft_tokens}")
-        if self.temperature < 0:
+        if not 0 <= self.temperature < math.inf:  # also rejects nan
             raise UserError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")

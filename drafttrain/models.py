@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -36,9 +38,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # `name` or `org/name`
+
+
 def check_model_path(path: str, what: str) -> None:
-    """A path that looks local must exist; anything else is treated as a hub id."""
-    looks_local = os.sep in path or path.startswith(".") or Path(path).exists()
+    """A path that looks local must exist; anything shaped like a hub id (`org/name`) is one."""
+    looks_local = Path(path).exists() or path.startswith((".", "~", os.sep)) or not HUB_ID.fullmatch(path)
     if looks_local and not Path(path).is_dir():
         raise UserError(f"{what} {path!r} is not a directory; pass a model directory or a hub id")
 
@@ -59,11 +64,26 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, what: st
 
     check_model_path(path, what)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with quiet_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load the {what} from {path!r} ({first_line(e)}); "
                         "pass a directory with config.json and weights") from e
     return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """No "Loading weights" bars on stderr: a failed command must print only its one `error:` line."""
+    from transformers.utils import logging
+
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
 
 
 def context_length(model) -> int | None:

@@ -25,18 +25,21 @@ def read_prompt_file(path: str | Path) -> list[PromptRecord]:
     if not path.is_file():
         raise UserError(f"{path}: prompt file not found; pass an existing JSONL file to --prompts")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg}); write one JSON object per line") from e
-            if not isinstance(obj, dict):
-                raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            records.append(_parse_record(obj, where, default_id=lineno - 1))
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); pass an uncompressed JSONL file") from e
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not valid JSON ({e.msg}); write one JSON object per line") from e
+        if not isinstance(obj, dict):
+            raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        records.append(_parse_record(obj, where, default_id=lineno - 1))
     if not records:
         raise UserError(f"{path}: the prompt file is empty; add JSONL lines with a \"prompt\", \"turns\" or \"messages\" field")
     return records
