@@ -28,7 +28,8 @@ class EvalConfig:
     prompts: list[str]
     out: str
     draft: str | None = None
-    method: str | None = None           # "ngram" | "none" (a draft implies "draft")
+    heads: str | None = None            # Medusa heads directory (vLLM's format)
+    method: str | None = None           # "ngram" | "none" (a draft implies "draft", heads "heads")
     limit: int | None = None
     num_draft_tokens: int = 5
     temperature: float = 0.0
@@ -41,9 +42,10 @@ class EvalConfig:
     ngram_max: int = 3
 
     def validate(self) -> None:
-        chosen = [x for x in (self.draft and "--draft", self.method and f"--method {self.method}") if x]
+        chosen = [x for x in (self.draft and "--draft", self.heads and "--heads",
+                              self.method and f"--method {self.method}") if x]
         if len(chosen) != 1:
-            raise UserError("choose exactly one drafter: --draft DIR, --method ngram or --method none"
+            raise UserError("choose exactly one drafter: --draft DIR, --heads DIR, --method ngram or --method none"
                             + (f" (got {' and '.join(chosen)})" if chosen else ""))
         if self.method not in (None, "ngram", "none"):
             raise UserError(f"unknown --method {self.method!r}; use ngram or none (or --draft DIR)")
@@ -62,7 +64,7 @@ class EvalConfig:
 
     @property
     def proposer_name(self) -> str:
-        return "draft" if self.draft else self.method
+        return "draft" if self.draft else "heads" if self.heads else self.method
 
 
 @dataclass
@@ -81,7 +83,8 @@ class Engine:
     device: torch.device
     eos: set[int]
     draft: torch.nn.Module | None = None
-    extra: dict = field(default_factory=dict)
+    heads: torch.nn.Module | None = None
+    heads_info: dict = field(default_factory=dict)
 
 
 def load_engine(cfg: EvalConfig) -> Engine:
@@ -94,6 +97,11 @@ def load_engine(cfg: EvalConfig) -> Engine:
     if cfg.draft:
         engine.draft = load_causal_lm(cfg.draft, dtype, device, "draft")
         require_compatible(compatibility_checks(target, tokenizer, engine.draft, draft_tok))
+    if cfg.heads:
+        from .heads.export import load_medusa, read_heads_info
+
+        engine.heads = load_medusa(cfg.heads, device=device, dtype=dtype)
+        engine.heads_info = read_heads_info(cfg.heads)
     return engine
 
 
@@ -112,6 +120,8 @@ def encode_prompts(cfg: EvalConfig, engine: Engine) -> list[EncodedPrompt]:
 
 
 def make_proposer(cfg: EvalConfig, engine: Engine, generator: torch.Generator | None):
+    if cfg.proposer_name == "heads":
+        return "heads"  # the heads change the decoder, not just the proposer: see make_decoder
     if cfg.proposer_name == "draft":
         return DraftModelProposer(engine.draft, engine.target.get_output_embeddings().weight.shape[0],
                                   cfg.temperature, cfg.top_p, generator)
@@ -120,11 +130,19 @@ def make_proposer(cfg: EvalConfig, engine: Engine, generator: torch.Generator | 
     return NoProposer(engine.device)
 
 
-def make_decoder(cfg: EvalConfig, engine: Engine, proposer_factory, seed_offset: int = 0) -> SpeculativeDecoder:
+def make_decoder(cfg: EvalConfig, engine: Engine, proposer_factory, seed_offset: int = 0):
     generator = None
     if cfg.temperature > 0:
         generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + seed_offset)
     proposer = proposer_factory(generator)
+    if proposer == "heads":
+        from .decoding.medusa import MedusaDecoder
+        from .heads.tree import default_tree
+
+        # K caps the tree's depth; the heads count caps it too (head i drafts position i+1).
+        depth = min(cfg.num_draft_tokens, engine.heads.config.num_heads)
+        return MedusaDecoder(engine.target, engine.heads, tree=default_tree(depth), temperature=cfg.temperature,
+                             top_p=cfg.top_p, eos_token_ids=engine.eos, generator=generator)
     return SpeculativeDecoder(engine.target, proposer, num_draft_tokens=cfg.num_draft_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=engine.eos,
                               generator=generator)
@@ -209,7 +227,8 @@ def run_eval(cfg: EvalConfig, engine: Engine | None = None, progress: bool = Tru
         results.append(result)
 
     greedy = cfg.temperature == 0
-    k = cfg.num_draft_tokens if cfg.proposer_name != "none" else 0
+    k = getattr(spec, "num_draft_tokens", 0) if cfg.proposer_name == "heads" else (
+        cfg.num_draft_tokens if cfg.proposer_name != "none" else 0)
     overall = compute_metrics(results, k, greedy)
     mem, mem_kind = peak_memory(engine.device)
     overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
@@ -222,9 +241,13 @@ def run_eval(cfg: EvalConfig, engine: Engine | None = None, progress: bool = Tru
         overall["predicted"] = {"cost_ratio": cost, "alpha": alpha,
                                 "expected_tokens_per_step": expected_tokens_per_step(alpha, k),
                                 "speedup": predicted_speedup(alpha, k, cost)}
+    if cfg.proposer_name == "heads":
+        overall["per_head_acceptance"] = overall["per_position_acceptance"]  # position i = head i's token
+        overall["tree_nodes"] = spec.num_tree_nodes
     report = {
         "config": asdict(cfg),
         "environment": environment(engine.device),
+        **({"heads": engine.heads_info} if engine.heads_info else {}),
         "overall": overall,
         "by_category": metrics_by_category(results, k, greedy),
     }
@@ -236,6 +259,7 @@ def add_cli(sub) -> None:
     p = sub.add_parser("eval", help="measure acceptance and speedup of a drafter on held-out prompts")
     p.add_argument("--target", required=True, help="target model: local directory or hub id")
     p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
+    p.add_argument("--heads", help="Medusa heads directory (vLLM's Medusa format) trained on this target")
     p.add_argument("--method", help="ngram (prompt lookup) or none (target alone)")
     p.add_argument("--prompts", action="append", required=True, help="JSONL prompt file (SPEC §1); repeatable")
     p.add_argument("--limit", type=int, help="at most N prompts from each file")
@@ -254,7 +278,7 @@ def add_cli(sub) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    cfg = EvalConfig(target=args.target, draft=args.draft, method=args.method, prompts=args.prompts,
+    cfg = EvalConfig(target=args.target, draft=args.draft, heads=args.heads, method=args.method, prompts=args.prompts,
                      limit=args.limit, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
                      device=args.device, baseline=args.baseline, ngram_max=args.ngram_max, out=args.out)

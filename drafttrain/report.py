@@ -107,6 +107,7 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
         "tau = mean accepted length = new tokens / target forward passes (plain decoding: 1.0). "
         "Speedup = speculative tokens/s ÷ baseline tokens/s, both measured in this run on the same prompts.",
         "",
+        *_heads_note(report.get("heads")),
         "## Overall and by category",
         "",
         metrics_table({"overall": overall, **report["by_category"]}),
@@ -141,6 +142,16 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
     if overall.get("speedup") is not None:
         lines += ["", "## Speedup by category", "", "![speedup by category](speedup_by_category.png)"]
     return "\n".join(lines) + "\n"
+
+
+def _heads_note(info: dict | None) -> list[str]:
+    if not info:
+        return []
+    lines = [f"Medusa heads: {info.get('kind', 'medusa-1')}, trained on target `{info.get('target')}`."]
+    if info.get("verifier"):
+        lines.append(f"**The verifier is the adapted target** `{info['verifier']}` (Medusa-2: LoRA adapters were "
+                     "trained jointly with the heads), not the original target; pass it as --target.")
+    return lines + [""]
 
 
 def write_report(out_dir: str | Path, report: dict, results: list[PromptResult]) -> None:

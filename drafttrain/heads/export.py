@@ -201,3 +201,19 @@ def load_medusa(path, device=None, dtype: torch.dtype | None = None) -> MedusaHe
     if dtype is not None:
         heads = heads.to(dtype=dtype)
     return heads.to(device) if device is not None else heads
+
+
+def read_heads_info(path) -> dict:
+    """What drafttrain recorded about how the heads were trained (config.json's `drafttrain` key).
+
+    For Medusa-2 heads this names the adapted target they were trained with, which is then the
+    verifier: reports and model cards must say so.
+    """
+    import json
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    info = cfg.get("drafttrain")
+    return info if isinstance(info, dict) else {}

@@ -1,0 +1,63 @@
+"""`drafttrain eval --heads DIR`: Medusa heads in vLLM's format, greedy output equal to the target's."""
+
+import json
+
+import torch
+from tiny import save_pair, tiny_lm, tiny_tokenizer
+
+from drafttrain.cli import main
+from drafttrain.heads.export import save_medusa
+from drafttrain.heads.model import MedusaHeads
+
+
+def test_eval_with_heads(tmp_path, capsys):
+    tok = tiny_tokenizer(64)
+    target = tiny_lm(0, dtype=torch.float64)
+    save_pair(tmp_path / "target", target, tok)
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
+    save_medusa(heads, tmp_path / "heads", extra={"drafttrain": {"kind": "medusa-1", "target": "t"}})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{j}" for j in range(i, i + 6))}) + "\n"
+                               for i in range(5, 9)))
+    out = tmp_path / "out"
+    code = main(["eval", "--target", str(tmp_path / "target"), "--heads", str(tmp_path / "heads"),
+                 "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "16", "--dtype", "float64",
+                 "--num-draft-tokens", "2", "--quiet"])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    overall = report["overall"]
+    assert overall["outputs_match_baseline"] == 1.0
+    assert len(overall["per_head_acceptance"]) == 2  # K=2 caps the tree at depth 2 of 3 heads
+    assert overall["per_head_acceptance"] == overall["per_position_acceptance"]
+    assert report["heads"] == {"kind": "medusa-1", "target": "t"}
+    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["speculative_token_ids"] == row["baseline_token_ids"]
+        assert all(0 <= a <= 2 for a in row["accepted_lengths"])
+    assert sum(len(r["accepted_lengths"]) for r in rows) == overall["target_forwards"]
+
+
+def test_eval_heads_bad_dir(tmp_path, capsys):
+    tok = tiny_tokenizer(64)
+    save_pair(tmp_path / "target", tiny_lm(0, dtype=torch.float32), tok)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w5 w6"}\n')
+    (tmp_path / "notheads").mkdir()
+    capsys.readouterr()
+    code = main(["eval", "--target", str(tmp_path / "target"), "--heads", str(tmp_path / "notheads"),
+                 "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:")
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_eval_heads_wrong_target(tmp_path, capsys):
+    tok = tiny_tokenizer(64)
+    save_pair(tmp_path / "target", tiny_lm(0, dtype=torch.float32), tok)
+    other = tiny_lm(1, hidden=48, dtype=torch.float32)
+    save_medusa(MedusaHeads.from_target(other, num_heads=2), tmp_path / "heads")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w5 w6"}\n')
+    capsys.readouterr()
+    code = main(["eval", "--target", str(tmp_path / "target"), "--heads", str(tmp_path / "heads"),
+                 "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "hidden" in err[0]
