@@ -4,6 +4,7 @@ alone, timed side by side in one process, written up as an acceptance report."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import platform
 import resource
@@ -94,13 +95,20 @@ def load_engine(cfg: EvalConfig) -> Engine:
     draft_tok = load_tokenizer(cfg.draft, "draft") if cfg.draft else None
     target = load_causal_lm(cfg.target, dtype, device, "target")
     engine = Engine(target=target, tokenizer=tokenizer, device=device, eos=eos_ids(target, tokenizer))
+    return attach_drafter(engine, cfg, draft_tok)
+
+
+def attach_drafter(engine: Engine, cfg: EvalConfig, draft_tok=None) -> Engine:
+    """Load cfg's draft model or heads next to an engine's target, after checking they fit it."""
+    dtype = engine.target.dtype
     if cfg.draft:
-        engine.draft = load_causal_lm(cfg.draft, dtype, device, "draft")
-        require_compatible(compatibility_checks(target, tokenizer, engine.draft, draft_tok))
+        draft_tok = draft_tok or load_tokenizer(cfg.draft, "draft")
+        engine.draft = load_causal_lm(cfg.draft, dtype, engine.device, "draft")
+        require_compatible(compatibility_checks(engine.target, engine.tokenizer, engine.draft, draft_tok))
     if cfg.heads:
         from .heads.export import load_medusa, read_heads_info
 
-        engine.heads = load_medusa(cfg.heads, device=device, dtype=dtype)
+        engine.heads = load_medusa(cfg.heads, device=engine.device, dtype=dtype)
         engine.heads_info = read_heads_info(cfg.heads)
     return engine
 
@@ -119,30 +127,27 @@ def encode_prompts(cfg: EvalConfig, engine: Engine) -> list[EncodedPrompt]:
     return out
 
 
-def make_proposer(cfg: EvalConfig, engine: Engine, generator: torch.Generator | None):
-    if cfg.proposer_name == "heads":
-        return "heads"  # the heads change the decoder, not just the proposer: see make_decoder
-    if cfg.proposer_name == "draft":
-        return DraftModelProposer(engine.draft, engine.target.get_output_embeddings().weight.shape[0],
-                                  cfg.temperature, cfg.top_p, generator)
-    if cfg.proposer_name == "ngram":
-        return NgramProposer(engine.device, max_ngram=cfg.ngram_max)
-    return NoProposer(engine.device)
-
-
-def make_decoder(cfg: EvalConfig, engine: Engine, proposer_factory, seed_offset: int = 0):
+def make_decoder(cfg: EvalConfig, engine: Engine, *, baseline: bool = False, seed_offset: int = 0):
+    """The speculative decoder for cfg's drafter, or (`baseline`) the target alone on the same engine."""
     generator = None
     if cfg.temperature > 0:
         generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + seed_offset)
-    proposer = proposer_factory(generator)
-    if proposer == "heads":
+    name = "none" if baseline else cfg.proposer_name
+    if name == "heads":
         from .decoding.medusa import MedusaDecoder
         from .heads.tree import default_tree
 
-        # K caps the tree's depth; the heads count caps it too (head i drafts position i+1).
+        # K caps the tree's depth; so does the number of heads (head i drafts position i+1).
         depth = min(cfg.num_draft_tokens, engine.heads.config.num_heads)
         return MedusaDecoder(engine.target, engine.heads, tree=default_tree(depth), temperature=cfg.temperature,
                              top_p=cfg.top_p, eos_token_ids=engine.eos, generator=generator)
+    if name == "draft":
+        proposer = DraftModelProposer(engine.draft, engine.target.get_output_embeddings().weight.shape[0],
+                                      cfg.temperature, cfg.top_p, generator)
+    elif name == "ngram":
+        proposer = NgramProposer(engine.device, max_ngram=cfg.ngram_max)
+    else:
+        proposer = NoProposer(engine.device)
     return SpeculativeDecoder(engine.target, proposer, num_draft_tokens=cfg.num_draft_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=engine.eos,
                               generator=generator)
@@ -198,45 +203,73 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 def run_eval(cfg: EvalConfig, engine: Engine | None = None, progress: bool = True) -> dict:
+    """One drafter against the target alone: SPEC §2's `drafttrain eval`."""
+    return run_evals([cfg], engines=[engine] if engine else None, progress=progress)[0]
+
+
+def run_evals(cfgs: list[EvalConfig], engines: list[Engine] | None = None, progress: bool = True) -> list[dict]:
+    """Several drafters on the same target and prompts, in one process, side by side.
+
+    Every prompt is decoded once by the target alone and then by each drafter, interleaved, so
+    drift in the machine's speed hits all of them alike; each drafter's report shares that
+    baseline. The configs may differ only in the drafter and the output directory.
+    """
     from tqdm.auto import tqdm
 
     from .report import write_report
 
-    cfg.validate()
-    read_prompts(cfg.prompts, cfg.limit)  # bad prompt files fail before any model loads
-    engine = engine or load_engine(cfg)
-    prompts = encode_prompts(cfg, engine)
-    torch.manual_seed(cfg.seed)
+    first = cfgs[0]
+    for cfg in cfgs:
+        cfg.validate()
+        read_prompts(cfg.prompts, cfg.limit)  # bad prompt files fail before any model loads
+        same = {k: v for k, v in asdict(cfg).items() if k not in ("draft", "heads", "method", "out")}
+        if same != {k: v for k, v in asdict(first).items() if k not in ("draft", "heads", "method", "out")}:
+            raise UserError("compared drafters must share target, prompts and decoding settings")
+    if engines is None:
+        engines = [load_engine(first)]
+        for cfg in cfgs[1:]:
+            engines.append(attach_drafter(dataclasses.replace(engines[0], draft=None, heads=None, heads_info={}), cfg))
+    engine = engines[0]
+    prompts = encode_prompts(first, engine)
+    torch.manual_seed(first.seed)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
 
-    spec = make_decoder(cfg, engine, lambda g: make_proposer(cfg, engine, g))
-    base = make_decoder(cfg, engine, lambda g: NoProposer(engine.device)) if cfg.baseline == "ours" else None
+    specs = [make_decoder(cfg, e) for cfg, e in zip(cfgs, engines)]
+    base = make_decoder(first, engine, baseline=True) if first.baseline == "ours" else None
+    # Warm-up (kernels, allocator, caches) with decoders of their own, so the seeded runs are untouched.
+    for cfg, e in zip(cfgs, engines):
+        make_decoder(cfg, e, seed_offset=1000).generate(prompts[0].ids, min(8, cfg.max_new_tokens))
+    if base is not None:
+        make_decoder(first, engine, baseline=True, seed_offset=1000).generate(prompts[0].ids, min(8, first.max_new_tokens))
 
-    # Warm-up (kernels, allocator, caches) with its own decoders, so the seeded runs are untouched.
-    warm_cfg = EvalConfig(**{**asdict(cfg), "seed": cfg.seed + 1000})
-    for factory in ([lambda g: make_proposer(warm_cfg, engine, g)]
-                    + ([lambda g: NoProposer(engine.device)] if base else [])):
-        make_decoder(warm_cfg, engine, factory).generate(prompts[0].ids, min(8, cfg.max_new_tokens))
-
-    results = []
+    results: list[list[PromptResult]] = [[] for _ in cfgs]
     for p in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
-        result = PromptResult(p.id, p.category, *timed_generate(spec, p.ids, cfg.max_new_tokens))
-        if base is not None:
-            result.baseline, result.baseline_seconds = timed_generate(base, p.ids, cfg.max_new_tokens)
-        results.append(result)
+        baseline = timed_generate(base, p.ids, first.max_new_tokens) if base is not None else (None, None)
+        for spec, rs in zip(specs, results):
+            r = PromptResult(p.id, p.category, *timed_generate(spec, p.ids, first.max_new_tokens))
+            r.baseline, r.baseline_seconds = baseline
+            rs.append(r)
 
+    reports = []
+    for cfg, e, spec, rs in zip(cfgs, engines, specs, results):
+        report = build_report(cfg, e, spec, rs, prompts[0].ids)
+        write_report(cfg.out, report, rs)
+        reports.append(report)
+    return reports
+
+
+def build_report(cfg: EvalConfig, engine: Engine, spec, results: list[PromptResult], probe: list[int]) -> dict:
     greedy = cfg.temperature == 0
-    k = getattr(spec, "num_draft_tokens", 0) if cfg.proposer_name == "heads" else (
-        cfg.num_draft_tokens if cfg.proposer_name != "none" else 0)
+    k = 0 if cfg.proposer_name == "none" else spec.num_draft_tokens
     overall = compute_metrics(results, k, greedy)
     mem, mem_kind = peak_memory(engine.device)
     overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
     if k:
-        cost = 0.0
+        cost = 0.0  # n-gram lookup and heads cost next to nothing beside a target forward
         if engine.draft is not None:
-            cost = (single_token_seconds(engine.draft, prompts[0].ids, engine.device)
-                    / single_token_seconds(engine.target, prompts[0].ids, engine.device))
+            cost = (single_token_seconds(engine.draft, probe, engine.device)
+                    / single_token_seconds(engine.target, probe, engine.device))
         alpha = overall["acceptance_rate"]
         overall["predicted"] = {"cost_ratio": cost, "alpha": alpha,
                                 "expected_tokens_per_step": expected_tokens_per_step(alpha, k),
@@ -244,23 +277,17 @@ def run_eval(cfg: EvalConfig, engine: Engine | None = None, progress: bool = Tru
     if cfg.proposer_name == "heads":
         overall["per_head_acceptance"] = overall["per_position_acceptance"]  # position i = head i's token
         overall["tree_nodes"] = spec.num_tree_nodes
-    report = {
+    return {
         "config": asdict(cfg),
         "environment": environment(engine.device),
         **({"heads": engine.heads_info} if engine.heads_info else {}),
         "overall": overall,
         "by_category": metrics_by_category(results, k, greedy),
     }
-    write_report(cfg.out, report, results)
-    return report
 
 
-def add_cli(sub) -> None:
-    p = sub.add_parser("eval", help="measure acceptance and speedup of a drafter on held-out prompts")
-    p.add_argument("--target", required=True, help="target model: local directory or hub id")
-    p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
-    p.add_argument("--heads", help="Medusa heads directory (vLLM's Medusa format) trained on this target")
-    p.add_argument("--method", help="ngram (prompt lookup) or none (target alone)")
+def add_decoding_args(p) -> None:
+    """Flags shared by `eval` and `compare`: prompts and decoding settings."""
     p.add_argument("--prompts", action="append", required=True, help="JSONL prompt file (SPEC §1); repeatable")
     p.add_argument("--limit", type=int, help="at most N prompts from each file")
     p.add_argument("--num-draft-tokens", type=int, default=5, help="K: drafts per verification step")
@@ -271,17 +298,30 @@ def add_cli(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda")
     p.add_argument("--baseline", default="ours", help="ours: also time the target alone; none: skip")
-    p.add_argument("--ngram-max", type=int, default=3, help="longest suffix n-gram for --method ngram")
-    p.add_argument("--out", required=True, help="report directory")
+    p.add_argument("--ngram-max", type=int, default=3, help="longest suffix n-gram for n-gram lookup")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace, **drafter) -> EvalConfig:
+    return EvalConfig(target=args.target, prompts=args.prompts, limit=args.limit,
+                      num_draft_tokens=args.num_draft_tokens, temperature=args.temperature, top_p=args.top_p,
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype, device=args.device,
+                      baseline=args.baseline, ngram_max=args.ngram_max, out=args.out, **drafter)
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("eval", help="measure acceptance and speedup of a drafter on held-out prompts")
+    p.add_argument("--target", required=True, help="target model: local directory or hub id")
+    p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
+    p.add_argument("--heads", help="Medusa heads directory (vLLM's Medusa format) trained on this target")
+    p.add_argument("--method", help="ngram (prompt lookup) or none (target alone)")
+    add_decoding_args(p)
+    p.add_argument("--out", required=True, help="report directory")
     p.set_defaults(func=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    cfg = EvalConfig(target=args.target, draft=args.draft, heads=args.heads, method=args.method, prompts=args.prompts,
-                     limit=args.limit, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
-                     top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
-                     device=args.device, baseline=args.baseline, ngram_max=args.ngram_max, out=args.out)
+    cfg = config_from_args(args, draft=args.draft, heads=args.heads, method=args.method)
     report = run_eval(cfg, progress=not args.quiet)
     o = report["overall"]
     speed = f", speedup {o['speedup']:.2f}x" if o["speedup"] is not None else ""

@@ -42,6 +42,10 @@ class SpeculativeDecoder:
         self.generator = generator
         self.device = next(target.parameters()).device
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.k
+
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
