@@ -4,7 +4,6 @@ Bad input must end in exit 2 with one `error:` line and no report; a good run's 
 recomputable from its outputs.jsonl, and greedy outputs must equal transformers' own `generate`.
 """
 
-import copy
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
-from tiny import save_pair, tiny_lm, tiny_tokenizer
+from tiny import noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 import drafttrain
@@ -39,15 +38,6 @@ CATEGORIES = ["code", "code", "chat", "chat"]
 # "<|im_start|>user ...<|im_end|><|im_start|>assistant " = 1, <unk>, ..., 2, 1, <unk>.
 PROMPT_IDS = [[5, 9, 13, 7], [40, 41, 40, 41], [1, 0, 20, 21, 22, 2, 1, 0], [30, 31, 32, 33]]
 
-
-def noisy_copy(model, scale=0.1, seed=7):
-    """A draft close to the target, so acceptance is partial."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype) * p.std())
-    return draft
 
 
 def swap_token_ids(model_dir, a="w10", b="w11"):

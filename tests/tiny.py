@@ -47,3 +47,22 @@ def save_pair(path, model, tokenizer):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def noisy_copy(model, scale: float = 0.1, seed: int = 7):
+    """A draft close to the target: partial acceptance, so rollbacks of every length happen."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype) * p.std())
+    return draft
+
+
+def greedy_reference(target, prompt: list[int], max_new: int, eos: int | None = None) -> list[int]:
+    """transformers' own greedy `generate()`: the reference every lossless test compares with."""
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

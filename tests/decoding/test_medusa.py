@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from test_sampling import V, chi2_pvalue, exact_two_token_distribution
-from tiny import tiny_lm
+from tiny import greedy_reference, tiny_lm
 
 from drafttrain.decoding.medusa import MedusaDecoder
 from drafttrain.decoding.sampling import probabilities
@@ -25,10 +25,7 @@ def target():
     return tiny_lm(0)
 
 
-def reference(target, prompt, max_new, eos=None):
-    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                          eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+reference = greedy_reference
 
 
 def noisy_heads(target, num_heads, scale=2.0, seed=0):

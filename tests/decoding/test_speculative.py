@@ -1,10 +1,9 @@
 """Greedy speculative decoding must reproduce the target's own greedy `generate()` exactly."""
 
-import copy
 
 import pytest
 import torch
-from tiny import tiny_lm
+from tiny import greedy_reference, noisy_copy, tiny_lm
 
 from drafttrain.decoding import DraftModelProposer, NgramProposer, NoProposer, SpeculativeDecoder
 
@@ -12,25 +11,13 @@ CPU = torch.device("cpu")
 PROMPTS = [[5, 9, 13, 7, 5, 9], [40], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]]
 
 
-def noisy_copy(model, scale=0.08, seed=7):
-    """A draft close to the target: partial acceptance, so rollbacks of every length happen."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype) * p.std())
-    return draft
-
 
 @pytest.fixture(scope="module")
 def target():
     return tiny_lm(0)
 
 
-def reference(target, prompt, max_new, eos=None):
-    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                          eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+reference = greedy_reference
 
 
 def proposers(target):
@@ -38,7 +25,7 @@ def proposers(target):
         "none": lambda: NoProposer(CPU),
         "ngram": lambda: NgramProposer(CPU),
         "random-draft": lambda: DraftModelProposer(tiny_lm(1), 64, 0.0, 1.0, None),
-        "noisy-draft": lambda: DraftModelProposer(noisy_copy(target), 64, 0.0, 1.0, None),
+        "noisy-draft": lambda: DraftModelProposer(noisy_copy(target, scale=0.08), 64, 0.0, 1.0, None),
         "self-draft": lambda: DraftModelProposer(target, 64, 0.0, 1.0, None),
     }
 
@@ -83,7 +70,7 @@ def test_plain_decoding_is_one_token_per_forward(target):
 
 def test_padded_draft_vocabulary(target):
     """A draft with extra (never used) embedding rows still decodes losslessly."""
-    draft = noisy_copy(target)
+    draft = noisy_copy(target, scale=0.08)
     draft.resize_token_embeddings(80)
     with torch.no_grad():
         draft.lm_head.weight[64:] = 100.0  # would win every argmax if not masked off
