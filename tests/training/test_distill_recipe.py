@@ -1,0 +1,297 @@
+"""recipes/distill.py on tiny models: config errors, acceptance gains, kill-and-resume, the export."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from training_helpers import (RECIPE, assert_same_weights, load_recipe, load_weights, recipe_args,
+                              run_python_recipe, subprocess_env)
+
+from drafttrain.config import dump_config_yaml, load_config, undocumented_fields
+from drafttrain.data.collate import DistillCollator
+from drafttrain.losses import distill_loss
+from drafttrain.training.distill import DistillConfig, onpolicy_batch, onpolicy_step, topk_teacher_logits
+
+EOS = 2  # tests/tiny.py: <|im_end|>
+
+
+# ----------------------------------------------------------------------------- configs and errors
+
+
+def test_every_config_key_is_documented_and_listed_by_help(capsys):
+    assert undocumented_fields(DistillConfig) == []
+    with pytest.raises(SystemExit) as exit_info:
+        load_recipe().main(["--help"])
+    assert exit_info.value.code == 0
+    listing = capsys.readouterr().out
+    for key in ("draft.from_target_layers", "loss.kind", "onpolicy.fraction", "optim.warmup_steps",
+                "train.checkpoint_every", "data.store_topk", "eval.num_draft_tokens"):
+        assert f"\n{key}:" in listing
+
+
+BAD_CONFIGS = {
+    "unknown key": (["loss.knd=jsd"], "unknown config key 'loss.knd'"),
+    "missing target": (["target={missing}"], "is not a directory"),
+    "draft vocabulary": (["draft.path={foreign}"], "token-to-id map"),
+    "bad loss kind": (["loss.kind=kl"], "'loss.kind' must be one of"),
+    "two draft sources": (["draft.from_target_layers=every:2"], "exactly one of draft.path"),
+    "bad layer spec": (["draft.path=null", "draft.from_target_layers=every:x"], "every:x"),
+    "on-policy with ce": (["loss.kind=ce", "onpolicy.fraction=0.5"], "onpolicy.fraction"),
+    "no held-out prompts": (["data.heldout_size=0"], "held-out"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_a_bad_config_is_one_error_line_and_writes_nothing(case, assets, tmp_path, capfd):
+    overrides, message = BAD_CONFIGS[case]
+    overrides = [o.format(missing=tmp_path / "missing", foreign=assets["foreign"]) for o in overrides]
+    out = tmp_path / "run"
+    assert load_recipe().main(recipe_args(assets, out, *overrides)) == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert message in lines[0]
+    assert not out.exists()
+
+
+def test_the_script_exits_2_with_one_error_line(assets, tmp_path):
+    out = tmp_path / "run"
+    result = run_python_recipe(recipe_args(assets, out, f"draft.path={assets['foreign']}"))
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [
+        line for line in result.stderr.splitlines() if line.startswith("error: draft and target disagree")]
+    assert result.stderr.count("error:") == 1 and not out.exists()
+
+
+# ----------------------------------------------------------------------------- teacher and on-policy pieces
+
+
+def test_topk_teacher_keeps_the_top_k_and_spreads_the_rest_evenly():
+    torch.manual_seed(0)
+    V, k = 10, 3
+    logits = torch.randn(2, 4, V, dtype=torch.float64) * 3
+    logprobs = logits.log_softmax(-1)
+    top, ids = logprobs.topk(k, dim=-1)
+    probs = topk_teacher_logits(ids, top, V).double().softmax(-1)
+    rest = (1 - top.exp().sum(-1)) / (V - k)
+    for b in range(2):
+        for t in range(4):
+            for v in range(V):
+                want = logprobs[b, t, v].exp() if v in ids[b, t] else rest[b, t]
+                assert probs[b, t, v].item() == pytest.approx(want.item(), rel=1e-5)
+    # With k = V nothing is approximated: the loss equals the exact one.
+    full_top, full_ids = logprobs.topk(V, dim=-1)
+    student = torch.randn(2, 4, V, dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    for kind in ("forward_kl", "reverse_kl", "tvd"):
+        exact = distill_loss(student, logits, mask, kind=kind)
+        approx = distill_loss(student.float(), topk_teacher_logits(full_ids, full_top, V), mask, kind=kind)
+        assert approx.item() == pytest.approx(exact.item(), rel=1e-4, abs=1e-6)
+
+
+def test_onpolicy_batch_continues_each_prompt_like_generate_alone():
+    from tiny import tiny_lm
+
+    draft = tiny_lm(seed=3, layers=1)  # float64
+    collator = DistillCollator(max_seq_len=32, pad_id=EOS)
+    rows = [{"prompt_ids": [5, 9, 11, 4], "response_ids": [7, 7, EOS]},
+            {"prompt_ids": [12, 30], "response_ids": [8, 8, 8, 8, 8]},
+            {"prompt_ids": [40, 41, 42, 43, 44, 45], "response_ids": [9]}]
+    batch = collator(rows)
+    got = onpolicy_batch(draft, batch, collator, temperature=0.0, max_new_tokens=6, eos_ids=[EOS], pad_id=EOS, seed=0)
+    for i, row in enumerate(rows):
+        ids = torch.tensor([row["prompt_ids"]])
+        ref = draft.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                             eos_token_id=EOS, pad_token_id=EOS)[0, ids.shape[1]:].tolist()
+        ref = ref[:ref.index(EOS) + 1] if EOS in ref else ref
+        n = int(got["attention_mask"][i].sum())
+        start = int(got["loss_mask"][i].int().argmax()) + 1
+        assert got["input_ids"][i, :start].tolist() == row["prompt_ids"]
+        assert got["input_ids"][i, start:n].tolist() == ref
+    assert draft.training is False  # left as it was
+
+    sampled = [onpolicy_batch(draft, batch, collator, temperature=1.0, max_new_tokens=6, eos_ids=[EOS], pad_id=EOS,
+                              seed=s)["input_ids"] for s in (1, 1, 2)]
+    assert torch.equal(sampled[0], sampled[1]) and not torch.equal(sampled[0], sampled[2])
+
+
+def test_onpolicy_draws_are_per_step_and_reproducible():
+    draws = [onpolicy_step(0.3, 0, s) for s in range(400)]
+    assert draws == [onpolicy_step(0.3, 0, s) for s in range(400)]
+    assert 0.2 < sum(draws) / 400 < 0.4
+    assert not any(onpolicy_step(0.0, 0, s) for s in range(50)) and all(onpolicy_step(1.0, 0, s) for s in range(50))
+
+
+# ----------------------------------------------------------------------------- a whole run
+
+
+@pytest.fixture(scope="module")
+def distilled(assets, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("distilled") / "run"
+    assert load_recipe().main(recipe_args(assets, out)) == 0
+    return out
+
+
+def brute_force_tau(target, draft, prompt: list[int], k: int, max_new: int) -> tuple[int, int]:
+    """(tokens, target passes) of greedy speculative decoding, from full forward passes only."""
+    def greedy_next(model, ids):
+        return int(model(torch.tensor([ids])).logits[0, -1].argmax())
+
+    out = []  # the target's greedy continuation, up to and including EOS
+    while len(out) < max_new and (not out or out[-1] != EOS):
+        out.append(greedy_next(target, prompt + out))
+    pos = passes = 0
+    while pos < len(out):
+        drafts = []
+        for _ in range(min(k, max_new - pos - 1)):
+            drafts.append(greedy_next(draft, prompt + out[:pos] + drafts))
+        n = 0
+        while n < len(drafts) and drafts[n] == out[pos + n]:
+            n += 1
+        pos = min(pos + n + 1, len(out))
+        passes += 1
+    return len(out), passes
+
+
+def test_distillation_raises_acceptance_on_held_out_prompts(distilled, assets):
+    from transformers import AutoModelForCausalLM
+
+    from drafttrain.prompts import encode_prompt, read_prompt_file
+    from drafttrain.models import load_tokenizer
+
+    initial = json.loads((distilled / "eval" / "initial.json").read_text())
+    final = json.loads((distilled / "eval" / "final.json").read_text())
+    assert initial["step"] == 0 and final["step"] > 0
+    assert final["tau"] >= initial["tau"] + 0.5, (initial["tau"], final["tau"])
+
+    # The recipe's tau is what a brute-force simulation of greedy speculative decoding gives.
+    cfg = load_config(DistillConfig, distilled / "config.yaml")
+    tokenizer = load_tokenizer(assets["target"])
+    prompts = [encode_prompt(r, tokenizer) for r in read_prompt_file(distilled / "heldout.jsonl")][:cfg.eval.num_prompts]
+    assert len(prompts) == final["prompts"] == cfg.eval.num_prompts
+    target = AutoModelForCausalLM.from_pretrained(assets["target"], dtype=torch.float64).eval()
+    for name, metrics in (("initial", initial), ("final", final)):
+        draft = AutoModelForCausalLM.from_pretrained(distilled / name, dtype=torch.float64).eval()
+        with torch.no_grad():
+            counts = [brute_force_tau(target, draft, p, cfg.eval.num_draft_tokens, cfg.eval.max_new_tokens)
+                      for p in prompts]
+        assert metrics["tau"] == pytest.approx(sum(t for t, _ in counts) / sum(n for _, n in counts))
+
+    card = (distilled / "final" / "README.md").read_text()
+    assert f"| initial (before training) | {cfg.eval.num_draft_tokens} | {initial['tau']:.2f} |" in card
+    assert f"| final (step {final['step']}) | {cfg.eval.num_draft_tokens} | {final['tau']:.2f} |" in card
+    # The best-tau evaluation is what was exported.
+    log = [json.loads(line) for line in (distilled / "train_log.jsonl").read_text().splitlines()]
+    evals = [e for e in log if e["type"] == "eval"]
+    assert final["tau"] == max(e["tau"] for e in evals)
+    assert final["step"] == min(e["step"] for e in evals if e["tau"] == final["tau"])
+
+
+def test_the_run_directory_is_complete(distilled):
+    for name in ("config.yaml", "heldout.jsonl", "train_log.jsonl", "initial/config.json", "final/README.md",
+                 "eval/initial.json", "eval/final.json", "best/model.safetensors"):
+        assert (distilled / name).is_file(), name
+    saved = (distilled / "config.yaml").read_text()
+    assert dump_config_yaml(load_config(DistillConfig, distilled / "config.yaml")) == saved
+    assert [p.name for p in sorted((distilled / "checkpoints").iterdir())] == ["step-50", "step-60"]
+
+
+def test_the_exported_draft_gives_the_targets_greedy_output_in_transformers(distilled, assets):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafttrain.prompts import encode_prompt, read_prompt_file
+
+    tokenizer = AutoTokenizer.from_pretrained(distilled / "final")
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(assets["target"]).get_vocab()
+    target = AutoModelForCausalLM.from_pretrained(assets["target"], dtype=torch.float64).eval()
+    draft = AutoModelForCausalLM.from_pretrained(distilled / "final", dtype=torch.float64).eval()
+    assert draft.generation_config.eos_token_id == EOS
+    exported = load_weights(distilled / "final")
+    best = load_weights(distilled / "best")
+    assert_same_weights(exported, {k: v for k, v in best.items() if k in exported})
+
+    for record in read_prompt_file(distilled / "heldout.jsonl"):
+        ids = torch.tensor([encode_prompt(record, tokenizer)])
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                      pad_token_id=EOS)
+        plain = target.generate(**kwargs)
+        assisted = target.generate(**kwargs, assistant_model=draft)
+        assert assisted.tolist() == plain.tolist()
+
+
+def test_onpolicy_and_stored_topk_batches_train(assets, tmp_path):
+    out = tmp_path / "run"
+    args = recipe_args(assets, out, "train.max_steps=8", "train.eval_every=0", "train.log_every=1",
+                       "onpolicy.fraction=0.5", "onpolicy.max_new_tokens=8", "data.store_topk=8",
+                       "eval.num_prompts=2")
+    assert load_recipe().main(args) == 0
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    on = [e["onpolicy"] for e in log if e["type"] == "train"]
+    assert on == [float(onpolicy_step(0.5, 0, s)) for s in range(8)]
+    assert 0.0 in on and 1.0 in on
+    assert all(math.isfinite(e["loss"]) and e["loss"] > 0 for e in log if e["type"] == "train")
+
+
+# ----------------------------------------------------------------------------- a real interruption
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(assets, tmp_path):
+    common = ["train.max_steps=30", "train.checkpoint_every=5", "train.keep_checkpoints=3", "train.eval_every=1",
+              "train.log_every=1", "eval.num_prompts=4"]
+    whole = tmp_path / "whole"
+    assert run_python_recipe(recipe_args(assets, whole, *common)).returncode == 0
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(RECIPE), *recipe_args(assets, out, *common)], env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "step-10").is_dir():
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists(), "killed too late: the run had finished"
+    # Whatever the kill left half-written must be ignored; make sure there is something.
+    partial = out / "checkpoints" / ".step-25.tmp"
+    partial.mkdir(exist_ok=True)
+    (partial / "model.safetensors").write_bytes(b"half a file")
+
+    resumed = run_python_recipe(recipe_args(assets, out, *common))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout
+    assert not partial.exists()
+    for name in ("final", "checkpoints/step-30"):
+        assert_same_weights(load_weights(out / name), load_weights(whole / name), rtol=1e-6, atol=1e-7)
+    assert json.loads((out / "eval" / "final.json").read_text())["tau"] == \
+        json.loads((whole / "eval" / "final.json").read_text())["tau"]
+
+
+def test_paths_expand_environment_variables(monkeypatch, tmp_path):
+    from drafttrain.errors import UserError
+    from drafttrain.training.distill import expand_vars
+
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path))
+    assert expand_vars("${DRAFTTRAIN_HOME}/models/x", "target") == f"{tmp_path}/models/x"
+    monkeypatch.delenv("DRAFTTRAIN_HOME")
+    assert expand_vars("${DRAFTTRAIN_HOME}/m", "target") == str(Path.home() / ".cache" / "drafttrain" / "m")
+    monkeypatch.delenv("NO_SUCH_VARIABLE", raising=False)
+    with pytest.raises(UserError, match="NO_SUCH_VARIABLE"):
+        expand_vars("$NO_SUCH_VARIABLE/x", "target")
+
+
+@pytest.mark.parametrize("name", ["tiny_test.yaml", "smollm2_distill_demo.yaml"])
+def test_shipped_configs_load(name):
+    from training_helpers import REPO
+
+    cfg = load_config(DistillConfig, REPO / "recipes" / "configs" / name, ["output_dir=x", "target=y"])
+    assert cfg.loss.kind == "forward_kl" and cfg.train.max_steps > 0

@@ -1,0 +1,60 @@
+"""Two processes (DDP, DeepSpeed ZeRO-2, ZeRO-3) end with the weights of one process on the same global batch.
+
+One process with micro-batch 2 and 2 accumulation steps sees exactly the global batches of two
+processes with micro-batch 2 each (see `MicroBatches`), so the runs differ only in the order of
+float additions. On-policy sampling is off, and the tiny Llamas have no dropout. The processes
+run on the CPU over gloo; DeepSpeed compiles a small communication op on its very first start
+(about a minute, then cached in TORCH_EXTENSIONS_DIR).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from training_helpers import (assert_same_weights, load_weights, recipe_args, run_launched_recipe,
+                              run_python_recipe)
+
+COMMON = ["train.max_steps=6", "train.micro_batch_size=2", "train.eval_every=0", "train.checkpoint_every=3",
+          "train.keep_best=false", "train.log_every=1", "optim.warmup_steps=2", "optim.max_grad_norm=0.5",
+          "eval.num_prompts=2"]
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_process") / "run"
+    result = run_python_recipe(recipe_args(assets, out, *COMMON, "train.gradient_accumulation_steps=2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def train_losses(out) -> list[float]:
+    lines = (out / "train_log.jsonl").read_text().splitlines()
+    return [e["loss"] for e in map(json.loads, lines) if e["type"] == "train"]
+
+
+def launch(config: str, args: list[str]):
+    result = run_launched_recipe(config, 2, args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_two_processes_end_with_the_weights_of_one(config, reference, assets, tmp_path):
+    out = tmp_path / "run"
+    args = recipe_args(assets, out, *COMMON)
+    launch(config, args)
+    assert_same_weights(load_weights(out / "final"), load_weights(reference / "final"), rtol=1e-5, atol=1e-6)
+    assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-5)
+    assert json.loads((out / "eval" / "final.json").read_text())["tau"] == \
+        json.loads((reference / "eval" / "final.json").read_text())["tau"]
+
+    if config == "deepspeed_zero3.yaml":
+        # Resuming reads DeepSpeed's sharded checkpoint: drop the last one and run again.
+        shutil.rmtree(out / "checkpoints" / "step-6")
+        shutil.rmtree(out / "final")
+        result = launch(config, args)
+        assert "resuming from" in result.stdout
+        assert_same_weights(load_weights(out / "final"), load_weights(reference / "final"), rtol=1e-5, atol=1e-6)
