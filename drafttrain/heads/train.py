@@ -27,7 +27,6 @@ prompts; its mean accepted length tau picks the exported weights.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -35,15 +34,16 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..config import config_to_dict, documented, dump_config_yaml
+from ..config import config_to_dict, documented
 from ..data.collate import DistillCollator
 from ..data.config import DataConfig
 from ..data.generation import end_token_ids
 from ..errors import UserError
-from ..fileio import atomic_dir, atomic_write_json, atomic_write_text
+from ..fileio import atomic_dir, atomic_write_json
 from ..losses import distill_loss
-from ..models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
-from ..training.distill import EvalPrompt, _note_config_change, _table_row, eval_prompts, expand_vars
+from ..models import DTYPES, load_causal_lm, load_tokenizer, resolve_dtype
+from ..training.common import (EvalPrompt, greedy_acceptance, prepare_recipe_data, table_row, validate_common,
+                               write_run_config)
 from ..training.trainer import OptimConfig, TrainConfig, build_accelerator, train, zero3_init_disabled
 from .model import MedusaHeads
 
@@ -130,16 +130,7 @@ class HeadsConfig:
 
     def validate(self) -> None:
         """Everything that can be checked without loading a model; raises a one-line UserError."""
-        if not str(self.output_dir).strip():
-            raise UserError("output_dir is empty; set output_dir=runs/NAME")
-        self.output_dir = expand_vars(self.output_dir, "output_dir")
-        self.target = expand_vars(self.target, "target")
-        check_model_path(self.target, "target")
-        if self.target_dtype != "auto" and self.target_dtype not in DTYPES:
-            raise UserError(f"target_dtype {self.target_dtype!r} is unknown; use auto, {', '.join(DTYPES)}")
-        if self.export_dtype not in ("float32", "bfloat16", "float16"):
-            raise UserError(f"export_dtype {self.export_dtype!r} is unknown; use float32, bfloat16 or float16")
-
+        validate_common(self)
         if self.heads.num_heads < 1:
             raise UserError(f"heads.num_heads must be >= 1, got {self.heads.num_heads}")
         if self.heads.num_layers < 0:
@@ -159,18 +150,6 @@ class HeadsConfig:
         if self.eval.tree_depth is not None and not 1 <= self.eval.tree_depth <= self.heads.num_heads:
             raise UserError(f"eval.tree_depth must be between 1 and heads.num_heads ({self.heads.num_heads}), "
                             f"got {self.eval.tree_depth}")
-
-        for src in self.data.sources:
-            if src.path:
-                src.path = expand_vars(src.path, "data.sources[].path")
-        self.data.cache_dir = expand_vars(self.data.cache_dir, "data.cache_dir")
-        self.data.validate()
-        if not self.data.sources:
-            raise UserError("data.sources is empty; add at least one prompt source (jsonl, hf or self_instruct)")
-        if self.data.heldout_size == 0 or (self.data.heldout_size is None and self.data.heldout_fraction == 0):
-            raise UserError("evaluation needs held-out prompts; set data.heldout_size > 0 or data.heldout_fraction > 0")
-        self.train.validate()
-        self.optim.validate()
 
     def _validate_lora(self) -> None:
         lora = self.lora
@@ -299,22 +278,11 @@ def heads_acceptance(target, heads: MedusaHeads, prompts: list[EvalPrompt], *, t
                      max_new_tokens: int, eos_token_ids: set[int]) -> dict:
     """Greedy Medusa tree decoding of `prompts`: tau, acceptance and per-head acceptance."""
     from ..decoding.medusa import MedusaDecoder
-    from ..metrics import PromptResult, compute_metrics
     from .tree import default_tree
 
     decoder = MedusaDecoder(target, heads, tree=default_tree(tree_depth), temperature=0.0,
                             eos_token_ids=eos_token_ids)
-    results = []
-    for p in prompts:
-        start = time.perf_counter()
-        gen = decoder.generate(p.ids, max_new_tokens)
-        results.append(PromptResult(p.id, p.category, gen, time.perf_counter() - start))
-    k = decoder.num_draft_tokens
-    m = compute_metrics(results, k, greedy=True)
-    keep = ("prompts", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
-            "mean_accepted_length", "per_position_acceptance")
-    return {"tau": m["mean_accepted_length"], **{key: m[key] for key in keep}, "num_draft_tokens": k,
-            "tree_nodes": decoder.num_tree_nodes}
+    return greedy_acceptance(decoder, prompts, max_new_tokens, extra={"tree_nodes": decoder.num_tree_nodes})
 
 
 # ----------------------------------------------------------------------------- the recipe
@@ -367,7 +335,6 @@ def add_lora(target, cfg: HeadsLoraConfig):
 
 def run_heads_training(cfg: HeadsConfig) -> dict:
     """The whole recipe; returns a summary (initial/final tau, best step, output paths)."""
-    from ..data import prepare_distillation_data, write_prompts_jsonl
     from ..preflight import eos_ids
 
     cfg.validate()
@@ -385,18 +352,9 @@ def run_heads_training(cfg: HeadsConfig) -> dict:
     heads = fresh_heads(target, cfg.heads).to(device)
 
     # Everything is checked: from here on the run writes its directory.
-    resolved = dump_config_yaml(cfg)
-    if main:
-        _note_config_change(out / "config.yaml", cfg)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "config.yaml", resolved)
-        accelerator.print(f"resolved config (saved to {out / 'config.yaml'}):\n{resolved}")
+    write_run_config(accelerator, cfg, out)
 
-    with accelerator.main_process_first():
-        data = prepare_distillation_data(cfg.data, target, tokenizer, target_path=cfg.target)
-    if main:
-        write_prompts_jsonl(out / "heldout.jsonl", data.heldout)
-    prompts = eval_prompts(data.heldout, tokenizer, target, cfg.eval)
+    data, prompts = prepare_recipe_data(accelerator, cfg, tokenizer, target, out)
     accelerator.print(f"{len(data.train)} training examples, {len(data.heldout)} held-out prompts "
                       f"({len(prompts)} used for evaluation); training {cfg.kind} heads")
 
@@ -461,7 +419,7 @@ def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path
     heads = copy.deepcopy(module.heads).to(device="cpu", dtype=DTYPES[cfg.export_dtype])
     verifier = str((final_dir / "target").resolve()) if cfg.lora.enabled else None
     info = {"kind": cfg.kind, "target": cfg.target, **({"verifier": verifier} if verifier else {})}
-    rows = [_table_row("fresh heads (before training)", initial), _table_row(f"trained (step {best_step})", final)]
+    rows = [table_row("fresh heads (before training)", initial), table_row(f"trained (step {best_step})", final)]
     with atomic_dir(final_dir, overwrite=True) as tmp:
         save_medusa(heads, tmp, extra={"drafttrain": info, "base_model": verifier or cfg.target},
                     card_notes=_card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows)))

@@ -12,27 +12,24 @@ decoder, whose mean accepted length tau also picks the exported weights.
 from __future__ import annotations
 
 import math
-import os
 import random
-import re
-import time
 import typing
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from ..config import config_to_dict, documented, dump_config_yaml
+from ..config import config_to_dict, documented
 from ..data.collate import DistillCollator
-from ..data.config import DataConfig, drafttrain_home
+from ..data.config import DataConfig
 from ..data.generation import cut_at_eos, end_token_ids, left_pad
 from ..errors import UserError
-from ..fileio import atomic_write_json, atomic_write_text
+from ..fileio import atomic_write_json
 from ..losses import LOSSES, distill_loss
-from ..models import DTYPES, check_model_path, context_length, load_causal_lm, load_tokenizer, resolve_dtype
-from ..prompts import encode_prompt
+from ..models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
+from .common import (EvalPrompt, expand_vars, greedy_acceptance, prepare_recipe_data, table_row, validate_common,
+                     write_run_config)
 from .trainer import OptimConfig, TrainConfig, build_accelerator, is_sharded, train, zero3_init_disabled
 
 LossKind = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
@@ -107,21 +104,13 @@ class DistillConfig:
 
     def validate(self) -> None:
         """Everything that can be checked without loading a model; raises a one-line UserError."""
-        if not str(self.output_dir).strip():
-            raise UserError("output_dir is empty; set output_dir=runs/NAME")
-        self.output_dir = expand_vars(self.output_dir, "output_dir")
-        self.target = expand_vars(self.target, "target")
-        check_model_path(self.target, "target")
+        validate_common(self)
         if (self.draft.path is None) == (self.draft.from_target_layers is None):
             raise UserError("give exactly one of draft.path (an existing small model) and draft.from_target_layers "
                             "(e.g. every:5)" + (" - both are set" if self.draft.path else ""))
         if self.draft.path is not None:
             self.draft.path = expand_vars(self.draft.path, "draft.path")
             check_model_path(self.draft.path, "draft")
-        if self.target_dtype != "auto" and self.target_dtype not in DTYPES:
-            raise UserError(f"target_dtype {self.target_dtype!r} is unknown; use auto, {', '.join(DTYPES)}")
-        if self.export_dtype not in ("float32", "bfloat16", "float16"):
-            raise UserError(f"export_dtype {self.export_dtype!r} is unknown; use float32, bfloat16 or float16")
 
         if self.loss.kind not in LOSSES:
             raise UserError(f"loss.kind {self.loss.kind!r} is unknown; use one of {', '.join(LOSSES)}")
@@ -145,31 +134,6 @@ class DistillConfig:
         for key in ("num_prompts", "max_new_tokens", "num_draft_tokens"):
             if getattr(self.eval, key) < 1:
                 raise UserError(f"eval.{key} must be >= 1, got {getattr(self.eval, key)}")
-
-        for src in self.data.sources:
-            if src.path:
-                src.path = expand_vars(src.path, "data.sources[].path")
-        self.data.cache_dir = expand_vars(self.data.cache_dir, "data.cache_dir")
-        self.data.validate()
-        if not self.data.sources:
-            raise UserError("data.sources is empty; add at least one prompt source (jsonl, hf or self_instruct)")
-        if self.data.heldout_size == 0 or (self.data.heldout_size is None and self.data.heldout_fraction == 0):
-            raise UserError("evaluation needs held-out prompts; set data.heldout_size > 0 or data.heldout_fraction > 0")
-        self.train.validate()
-        self.optim.validate()
-
-
-def expand_vars(value: str, key: str) -> str:
-    """`${VAR}` / `$VAR` from the environment; DRAFTTRAIN_HOME defaults to the drafttrain cache."""
-    env = {"DRAFTTRAIN_HOME": str(drafttrain_home()), **os.environ}
-
-    def sub(m: re.Match) -> str:
-        name = m.group(1) or m.group(2)
-        if name not in env:
-            raise UserError(f"config key {key!r} uses ${{{name}}}, which is not set; export it or write the path out")
-        return env[name]
-
-    return os.path.expanduser(re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, str(value)))
 
 
 # ----------------------------------------------------------------------------- teacher and batches
@@ -234,48 +198,16 @@ def onpolicy_step(fraction: float, seed: int, step: int) -> bool:
 # ----------------------------------------------------------------------------- evaluation
 
 
-@dataclass
-class EvalPrompt:
-    id: object
-    category: str
-    ids: list[int]
-
-
-def eval_prompts(records, tokenizer, target, cfg: DistillEvalConfig) -> list[EvalPrompt]:
-    """The first `cfg.num_prompts` held-out prompts that fit the target's context with the answer."""
-    limit = context_length(target)
-    out = []
-    for r in records:
-        ids = encode_prompt(r, tokenizer)
-        if limit is None or len(ids) + cfg.max_new_tokens <= limit:
-            out.append(EvalPrompt(r.id, r.category, ids))
-        if len(out) == cfg.num_prompts:
-            break
-    if not out:
-        raise UserError("no held-out prompt fits the target's context together with eval.max_new_tokens; "
-                        "lower eval.max_new_tokens or hold out shorter prompts")
-    return out
-
-
 def acceptance(target, draft, prompts: list[EvalPrompt], *, num_draft_tokens: int, max_new_tokens: int,
                eos_token_ids: set[int]) -> dict:
     """Greedy speculative decoding of `prompts` with drafttrain's own decoder: tau and acceptance."""
     from ..decoding import DraftModelProposer, SpeculativeDecoder
-    from ..metrics import PromptResult, compute_metrics
 
     vocab = target.get_output_embeddings().weight.shape[0]
     proposer = DraftModelProposer(draft, vocab, temperature=0.0, top_p=1.0, generator=None)
     decoder = SpeculativeDecoder(target, proposer, num_draft_tokens=num_draft_tokens, temperature=0.0,
                                  eos_token_ids=eos_token_ids)
-    results = []
-    for p in prompts:
-        start = time.perf_counter()
-        gen = decoder.generate(p.ids, max_new_tokens)
-        results.append(PromptResult(p.id, p.category, gen, time.perf_counter() - start))
-    m = compute_metrics(results, num_draft_tokens, greedy=True)
-    keep = ("prompts", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
-            "mean_accepted_length", "per_position_acceptance", "per_position_acceptance_when_proposed")
-    return {"tau": m["mean_accepted_length"], **{k: m[k] for k in keep}, "num_draft_tokens": num_draft_tokens}
+    return greedy_acceptance(decoder, prompts, max_new_tokens)
 
 
 # ----------------------------------------------------------------------------- the recipe
@@ -309,7 +241,6 @@ def load_models(cfg: DistillConfig, device: torch.device):
 
 def run_distillation(cfg: DistillConfig) -> dict:
     """The whole recipe; returns a summary (initial/final tau, best step, output paths)."""
-    from ..data import prepare_distillation_data, write_prompts_jsonl
     from ..export import export_draft
     from ..preflight import eos_ids
 
@@ -321,12 +252,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
         tokenizer, target, draft = load_models(cfg, accelerator.device)
 
     # Everything is checked: from here on the run writes its directory.
-    resolved = dump_config_yaml(cfg)
-    if main:
-        _note_config_change(out / "config.yaml", cfg)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "config.yaml", resolved)
-        accelerator.print(f"resolved config (saved to {out / 'config.yaml'}):\n{resolved}")
+    write_run_config(accelerator, cfg, out)
     eos_list = end_token_ids(tokenizer, target)
     export_eos = eos_list[0] if len(eos_list) == 1 else eos_list
     base_info = {"target": cfg.target,
@@ -336,11 +262,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
         export_draft(draft, tokenizer, out / "initial", eos_token_id=export_eos,
                      base_info={**base_info, "stage": "initial (before distillation)"})
 
-    with accelerator.main_process_first():
-        data = prepare_distillation_data(cfg.data, target, tokenizer, target_path=cfg.target)
-    if main:
-        write_prompts_jsonl(out / "heldout.jsonl", data.heldout)
-    prompts = eval_prompts(data.heldout, tokenizer, target, cfg.eval)
+    data, prompts = prepare_recipe_data(accelerator, cfg, tokenizer, target, out)
     accelerator.print(f"{len(data.train)} training examples, {len(data.heldout)} held-out prompts "
                       f"({len(prompts)} used for evaluation)")
 
@@ -385,7 +307,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
     summary = {"output_dir": str(out), "initial_tau": initial["tau"], "final_tau": final["tau"],
                "best_step": result.best_step, "steps": result.step, "final_dir": str(out / "final")}
     if main:
-        rows = [_table_row("initial (before training)", initial), _table_row(f"final (step {result.best_step})", final)]
+        rows = [table_row("initial (before training)", initial), table_row(f"final (step {result.best_step})", final)]
         model = result.model.to(DTYPES[cfg.export_dtype])
         export_draft(model, tokenizer, out / "final", eos_token_id=export_eos, acceptance_table=rows,
                      base_info={**base_info, "loss": cfg.loss.kind, "training steps": result.step,
@@ -398,36 +320,6 @@ def run_distillation(cfg: DistillConfig) -> dict:
                           f"draft in {out / 'final'}")
     accelerator.wait_for_everyone()
     return summary
-
-
-def _table_row(name: str, metrics: dict) -> dict:
-    return {"drafter": name, "num_draft_tokens": metrics["num_draft_tokens"], "tau": metrics["tau"],
-            "acceptance_rate": metrics["acceptance_rate"], "per_position_acceptance": metrics["per_position_acceptance"]}
-
-
-def _note_config_change(path: Path, cfg: DistillConfig) -> None:
-    """Resuming with a changed config is allowed (e.g. more steps), but say what changed."""
-    if not path.is_file():
-        return
-    import yaml
-
-    try:
-        old = _flatten(yaml.safe_load(path.read_text()) or {})
-    except yaml.YAMLError:
-        return
-    new = _flatten(config_to_dict(cfg))
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    if changed:
-        warnings.warn(f"{path} differs from this run's config in: {', '.join(changed[:10])}")
-
-
-def _flatten(d, prefix: str = "") -> dict:
-    if not isinstance(d, dict):
-        return {prefix[:-1]: d}
-    out = {}
-    for k, v in d.items():
-        out |= _flatten(v, f"{prefix}{k}.")
-    return out
 
 
 __all__ = ["DistillConfig", "DistillEvalConfig", "DraftConfig", "LossConfig", "OnPolicyConfig", "acceptance",

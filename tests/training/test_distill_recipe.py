@@ -278,7 +278,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(assets, tmp
 
 def test_paths_expand_environment_variables(monkeypatch, tmp_path):
     from drafttrain.errors import UserError
-    from drafttrain.training.distill import expand_vars
+    from drafttrain.training.common import expand_vars
 
     monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path))
     assert expand_vars("${DRAFTTRAIN_HOME}/models/x", "target") == f"{tmp_path}/models/x"
