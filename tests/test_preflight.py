@@ -47,15 +47,6 @@ def swap_token_ids(model_dir, a="w10", b="w11"):
     path.write_text(json.dumps(spec))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads, and on a busy 2-core machine they cost seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_lm(0)
