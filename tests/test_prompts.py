@@ -157,3 +157,15 @@ def test_chat_record_without_chat_template(tmp_path, plain_tok):
 def test_prompt_that_encodes_to_nothing(tmp_path, tok):
     (r,) = read_prompt_file(write(tmp_path / "p.jsonl", [{"prompt": "   "}]))
     assert f"{r.source}" in error(encode_prompt, r, tok)
+
+
+def test_shipped_smoke_prompt_set_loads():
+    from pathlib import Path
+
+    from drafttrain.prompts import read_prompt_file
+
+    records = read_prompt_file(Path(__file__).resolve().parents[1] / "eval" / "prompts" / "smoke.jsonl")
+    assert [r.id for r in records] == ["code-1", "code-2", 1, "chat-2"]
+    assert [r.category for r in records] == ["code", "code", "chat", "chat"]
+    assert records[0].text.startswith("def fibonacci") and records[2].messages[0]["role"] == "user"
+    assert records[3].messages[0] == {"role": "system", "content": "You are concise."}
