@@ -66,3 +66,14 @@ def greedy_reference(target, prompt: list[int], max_new: int, eos: int | None = 
     out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
                           eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def vllm_medusa_shapes(hidden: int, vocab: int, num_heads: int, num_layers: int) -> dict:
+    """vLLM's Medusa weight names and shapes, written out by hand as the reference."""
+    expected = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            expected[f"blocks.{i}.layers.{j}.weight"] = (hidden, hidden)
+            expected[f"blocks.{i}.layers.{j}.bias"] = (hidden,)
+        expected[f"lm_heads.{i}.weight"] = (vocab, hidden)
+    return expected

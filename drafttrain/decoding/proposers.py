@@ -82,10 +82,12 @@ class DraftModelProposer(Proposer):
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.device = next(model.parameters()).device
         self.pending: list[int] = []
+        self.fed = 0  # drafts of the current step fed back into the cache
 
     def reset(self, prompt):
         self.lm.reset()
         self.pending = list(prompt)
+        self.fed = 0
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Align the draft's vocabulary with the target's (a padded embedding matrix is fine)."""
@@ -100,7 +102,7 @@ class DraftModelProposer(Proposer):
     def propose(self, k, sequence):
         tokens, dists = [], []
         step_input = torch.tensor(self.pending, dtype=torch.long, device=self.device)
-        self.fed = 0  # drafts fed back into the cache this step
+        self.fed = 0
         for i in range(k):
             logits = self._logits(self.lm.forward(step_input)[-1])
             if self.temperature == 0:

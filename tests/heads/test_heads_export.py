@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from drafttrain.errors import UserError
 from drafttrain.heads.export import load_medusa, save_medusa
 from drafttrain.heads.model import MedusaConfig, MedusaHeads
+from tiny import vllm_medusa_shapes
 
 H, V = 8, 13
 
@@ -46,12 +47,7 @@ def test_export_writes_vllm_keys_shapes_and_config(tmp_path):
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    expected = {}
-    for i in range(3):
-        for j in range(2):
-            expected[f"blocks.{i}.layers.{j}.weight"] = (H, H)
-            expected[f"blocks.{i}.layers.{j}.bias"] = (H,)
-        expected[f"lm_heads.{i}.weight"] = (V, H)
+    expected = vllm_medusa_shapes(H, V, num_heads=3, num_layers=2)
     assert shapes == expected
 
     cfg = json.loads((out / "config.json").read_text())

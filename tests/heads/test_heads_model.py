@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain.heads.model import MedusaConfig, MedusaHeads
+from tiny import vllm_medusa_shapes
 
 
 def tiny_llama(tie: bool = False) -> LlamaForCausalLM:
@@ -31,12 +32,7 @@ def randomize(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
 def test_parameter_names_and_shapes_match_vllm():
     H, V = 8, 11
     heads = MedusaHeads(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=3, num_layers=2))
-    expected = {}
-    for i in range(3):
-        for j in range(2):
-            expected[f"blocks.{i}.layers.{j}.weight"] = (H, H)
-            expected[f"blocks.{i}.layers.{j}.bias"] = (H,)
-        expected[f"lm_heads.{i}.weight"] = (V, H)
+    expected = vllm_medusa_shapes(H, V, num_heads=3, num_layers=2)
     assert {k: tuple(v.shape) for k, v in heads.state_dict().items()} == expected
 
 
