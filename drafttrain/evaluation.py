@@ -10,6 +10,7 @@ import platform
 import resource
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from statistics import median
 
 import torch
@@ -41,6 +42,7 @@ class EvalConfig:
     device: str = "auto"
     baseline: str = "ours"
     ngram_max: int = 3
+    tree: str = "auto"                  # heads only: auto | default | chain | FILE.json
 
     def validate(self) -> None:
         chosen = [x for x in (self.draft and "--draft", self.heads and "--heads",
@@ -62,10 +64,50 @@ class EvalConfig:
             raise UserError(f"--limit must be at least 1, got {self.limit}")
         if self.baseline not in ("ours", "none"):
             raise UserError(f"unknown --baseline {self.baseline!r}; use ours or none")
+        if self.tree not in TREE_CHOICES:
+            read_tree_file(self.tree)
 
     @property
     def proposer_name(self) -> str:
         return "draft" if self.draft else "heads" if self.heads else self.method
+
+
+TREE_CHOICES = ("auto", "default", "chain")
+
+
+def read_tree_file(path: str) -> list:
+    """A tree as JSON: a list of paths, each a list of top-k choice indices, e.g. [[0], [1], [0, 0]]."""
+    import json
+
+    from .heads.tree import build_tree_buffers
+
+    try:
+        paths = [tuple(p) for p in json.loads(Path(path).read_text())]
+        build_tree_buffers(paths)
+    except OSError as e:
+        raise UserError(f"--tree {path}: cannot read it ({e.strerror}); use auto, default, chain or a JSON file of "
+                        "paths like [[0], [1], [0, 0]]") from e
+    except (TypeError, ValueError) as e:
+        raise UserError(f"--tree {path}: not a valid tree ({e}); write a JSON list of paths like [[0], [1], [0, 0]]"
+                        ) from e
+    return paths
+
+
+def heads_tree(spec: str, heads_info: dict, depth: int) -> tuple[str, list]:
+    """(which tree, its paths cut to `depth`): auto = the tree calibrated when the heads were
+    trained (their config's drafttrain.tree), else the built-in default."""
+    from .heads.tree import DEFAULT_TREE, chain_tree
+
+    if spec == "auto":
+        stored = heads_info.get("tree")
+        name, paths = ("calibrated", [tuple(p) for p in stored]) if stored else ("default", DEFAULT_TREE)
+    elif spec == "default":
+        name, paths = "default", DEFAULT_TREE
+    elif spec == "chain":
+        name, paths = "chain", chain_tree(depth)
+    else:
+        name, paths = spec, read_tree_file(spec)
+    return name, [p for p in paths if len(p) <= depth]
 
 
 @dataclass
@@ -135,12 +177,12 @@ def make_decoder(cfg: EvalConfig, engine: Engine, *, baseline: bool = False, see
     name = "none" if baseline else cfg.proposer_name
     if name == "heads":
         from .decoding.medusa import MedusaDecoder
-        from .heads.tree import default_tree
 
         # K caps the tree's depth; so does the number of heads (head i drafts position i+1).
         depth = min(cfg.num_draft_tokens, engine.heads.config.num_heads)
-        return MedusaDecoder(engine.target, engine.heads, tree=default_tree(depth), temperature=cfg.temperature,
-                             top_p=cfg.top_p, eos_token_ids=engine.eos, generator=generator)
+        return MedusaDecoder(engine.target, engine.heads, tree=heads_tree(cfg.tree, engine.heads_info, depth)[1],
+                             temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=engine.eos,
+                             generator=generator)
     if name == "draft":
         proposer = DraftModelProposer(engine.draft, engine.target.get_output_embeddings().weight.shape[0],
                                       cfg.temperature, cfg.top_p, generator)
@@ -277,6 +319,7 @@ def build_report(cfg: EvalConfig, engine: Engine, spec, results: list[PromptResu
     if cfg.proposer_name == "heads":
         overall["per_head_acceptance"] = overall["per_position_acceptance"]  # position i = head i's token
         overall["tree_nodes"] = spec.num_tree_nodes
+        overall["tree"] = heads_tree(cfg.tree, engine.heads_info, 1)[0] if greedy else "chain (sampling)"
     return {
         "config": asdict(cfg),
         "environment": environment(engine.device),
@@ -299,6 +342,9 @@ def add_decoding_args(p) -> None:
     p.add_argument("--device", default="auto", help="auto|cpu|cuda")
     p.add_argument("--baseline", default="ours", help="ours: also time the target alone; none: skip")
     p.add_argument("--ngram-max", type=int, default=3, help="longest suffix n-gram for n-gram lookup")
+    p.add_argument("--tree", default="auto",
+                   help="Medusa heads' candidate tree: auto (the one calibrated at training, else default), "
+                        "default, chain, or a JSON file of paths like [[0], [1], [0, 0]]")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -306,7 +352,8 @@ def config_from_args(args: argparse.Namespace, **drafter) -> EvalConfig:
     return EvalConfig(target=args.target, prompts=args.prompts, limit=args.limit,
                       num_draft_tokens=args.num_draft_tokens, temperature=args.temperature, top_p=args.top_p,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype, device=args.device,
-                      baseline=args.baseline, ngram_max=args.ngram_max, out=args.out, **drafter)
+                      baseline=args.baseline, ngram_max=args.ngram_max, tree=args.tree, out=args.out,
+                      **drafter)
 
 
 def add_cli(sub) -> None:

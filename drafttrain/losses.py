@@ -78,6 +78,14 @@ def per_token_divergence(
     """
     _check_args(kind, beta, temperature)
     dtype = _compute_dtype(student_logits, teacher_logits)
+    if kind == "forward_kl" and teacher_logits is not None and teacher_logits.shape == student_logits.shape:
+        # KL(p || q) = CE(p, q) - H(p): PyTorch's fused soft-target cross-entropy is several times
+        # cheaper than spelling the sum out, and H(p) has no gradient (the teacher is fixed).
+        with torch.no_grad():
+            log_p = F.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
+            neg_entropy = (log_p.exp() * log_p).sum(-1)
+        scaled = student_logits.to(dtype) if temperature == 1.0 else student_logits.to(dtype) / temperature
+        return F.cross_entropy(scaled, log_p.exp(), reduction="none") + neg_entropy
     log_q = F.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
 
     if kind == "ce":
@@ -140,7 +148,8 @@ def distill_loss(
     Only the masked rows are gathered, then processed `chunk_size` rows at a time. When the
     student needs a gradient each chunk is checkpointed: autograd keeps just the gathered
     rows and recomputes one chunk's float32 softmaxes during backward, so peak memory grows
-    with `chunk_size * V`, not with the number of tokens times V. An all-zero mask returns
+    with `chunk_size * V`, not with the number of tokens times V (a single chunk is not
+    checkpointed: it would hold as much anyway). An all-zero mask returns
     a zero that is still attached to `student_logits` (every DDP rank must run backward).
     """
     _check_args(kind, beta, temperature)
@@ -181,7 +190,9 @@ def distill_loss(
     def chunk_sum(s: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
         return per_token_divergence(s, t, kind, beta, temperature, labels=y).sum()
 
-    use_checkpoint = torch.is_grad_enabled() and student.requires_grad
+    # One chunk holds chunk_size x V floats anyway; recomputing it in backward only pays off when
+    # there are several chunks whose intermediates would otherwise all wait for backward.
+    use_checkpoint = torch.is_grad_enabled() and student.requires_grad and n > chunk_size
     total = student.new_zeros((), dtype=dtype)
     for start in range(0, n, chunk_size):
         rows = slice(start, start + chunk_size)

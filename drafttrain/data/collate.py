@@ -8,6 +8,10 @@ Conventions (the training loop relies on them):
   `labels=` (which shifts again).
 - `topk_ids` / `topk_logprobs` are aligned the same way: row t is the target's top-k at position t.
   Rows outside `loss_mask` are zeros and must be ignored.
+- `position_ids` count real tokens only (pad tokens sit at position 0, masked); pass them to the model.
+- With `align_prompts`, each prompt is left-padded to the batch's longest prompt, so every response
+  starts in the same column: the trained positions form one block at the end of the batch, and
+  the LM head (on a 50k vocabulary, as costly as a small draft's layers) runs over that block only.
 """
 
 from __future__ import annotations
@@ -57,10 +61,19 @@ def pack_example(
     return example
 
 
-def collate(batch: Sequence[dict], pad_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad packed examples into `input_ids`, `attention_mask`, `loss_mask` (bool), `labels`,
-    and `topk_ids` / `topk_logprobs` [B, T, k] when the examples carry them."""
-    width = max(len(ex["input_ids"]) for ex in batch)
+def _prompt_length(example: dict) -> int:
+    mask = example["loss_mask"]
+    return mask.index(True) + 1 if True in mask else len(mask)
+
+
+def collate(batch: Sequence[dict], pad_id: int, pad_to_multiple_of: int | None = None,
+            align_prompts: bool = False) -> dict[str, torch.Tensor]:
+    """Pad packed examples into `input_ids`, `attention_mask`, `position_ids`, `loss_mask` (bool),
+    `labels`, and `topk_ids` / `topk_logprobs` [B, T, k] when the examples carry them. Padding
+    goes on the right, and with `align_prompts` also before each prompt (see the module docstring)."""
+    prompt_width = max(_prompt_length(ex) for ex in batch) if align_prompts else 0
+    offsets = [prompt_width - _prompt_length(ex) if align_prompts else 0 for ex in batch]
+    width = max(off + len(ex["input_ids"]) for off, ex in zip(offsets, batch))
     if pad_to_multiple_of:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     B = len(batch)
@@ -72,17 +85,20 @@ def collate(batch: Sequence[dict], pad_id: int, pad_to_multiple_of: int | None =
         k = max((len(row) for ex in batch for row in ex["topk_ids"]), default=0)
         topk_ids = torch.zeros((B, width, k), dtype=torch.long)
         topk_logprobs = torch.zeros((B, width, k), dtype=torch.float32)
-    for b, ex in enumerate(batch):
+    position_ids = torch.zeros((B, width), dtype=torch.long)
+    for b, (o, ex) in enumerate(zip(offsets, batch)):
         n = len(ex["input_ids"])
-        input_ids[b, :n] = torch.as_tensor(ex["input_ids"], dtype=torch.long)
-        attention_mask[b, :n] = 1
-        loss_mask[b, :n] = torch.as_tensor(ex["loss_mask"], dtype=torch.bool)
+        input_ids[b, o:o + n] = torch.as_tensor(ex["input_ids"], dtype=torch.long)
+        attention_mask[b, o:o + n] = 1
+        position_ids[b, o:o + n] = torch.arange(n)
+        loss_mask[b, o:o + n] = torch.as_tensor(ex["loss_mask"], dtype=torch.bool)
         if has_topk and k:
-            topk_ids[b, :n] = torch.as_tensor(ex["topk_ids"], dtype=torch.long).reshape(n, k)
-            topk_logprobs[b, :n] = torch.as_tensor(ex["topk_logprobs"], dtype=torch.float32).reshape(n, k)
+            topk_ids[b, o:o + n] = torch.as_tensor(ex["topk_ids"], dtype=torch.long).reshape(n, k)
+            topk_logprobs[b, o:o + n] = torch.as_tensor(ex["topk_logprobs"], dtype=torch.float32).reshape(n, k)
     labels = torch.full((B, width), IGNORE_INDEX, dtype=torch.long)
     labels[:, :-1] = torch.where(loss_mask[:, :-1], input_ids[:, 1:], IGNORE_INDEX)
-    out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "labels": labels}
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+           "loss_mask": loss_mask, "labels": labels}
     if has_topk:
         out |= {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs}
     return out
@@ -91,8 +107,10 @@ def collate(batch: Sequence[dict], pad_id: int, pad_to_multiple_of: int | None =
 class DistillCollator:
     """`collate_fn` for a DataLoader over `generate_responses` rows: packs, then pads."""
 
-    def __init__(self, max_seq_len: int, pad_id: int, pad_to_multiple_of: int | None = None):
+    def __init__(self, max_seq_len: int, pad_id: int, pad_to_multiple_of: int | None = None,
+                 align_prompts: bool = False):
         self.max_seq_len, self.pad_id, self.pad_to_multiple_of = max_seq_len, pad_id, pad_to_multiple_of
+        self.align_prompts = align_prompts
 
     def __call__(self, rows: Sequence[dict]) -> dict[str, torch.Tensor]:
         packed = [
@@ -100,4 +118,4 @@ class DistillCollator:
                          r.get("topk_ids"), r.get("topk_logprobs"))
             for r in rows
         ]
-        return collate(packed, self.pad_id, self.pad_to_multiple_of)
+        return collate(packed, self.pad_id, self.pad_to_multiple_of, self.align_prompts)

@@ -42,8 +42,8 @@ from ..errors import UserError
 from ..fileio import atomic_dir, atomic_write_json
 from ..losses import distill_loss
 from ..models import DTYPES, load_causal_lm, load_tokenizer, resolve_dtype
-from ..training.common import (EvalPrompt, greedy_acceptance, prepare_recipe_data, table_row, validate_common,
-                               write_run_config)
+from ..training.common import (EvalPrompt, greedy_acceptance, prepare_recipe_data, response_window, table_row,
+                               validate_common, write_run_config)
 from ..training.trainer import OptimConfig, TrainConfig, build_accelerator, train, zero3_init_disabled
 from .model import MedusaHeads
 
@@ -106,6 +106,11 @@ class HeadsEvalConfig:
     tree_depth: int | None = documented(
         None, doc="Depth of the candidate tree (drafttrain's default Medusa tree cut to this depth, the same "
                   "tree `drafttrain eval --heads` uses with --num-draft-tokens set to it); default: num_heads.")
+    tree_nodes: int = documented(
+        22, doc="After training, the heads' top-k accuracy is measured on the held-out prompts and the tree with "
+                "this many nodes (besides the root) and the largest expected acceptance is stored with them; "
+                "`drafttrain eval --tree auto` (the default) uses it. 0: no calibration, keep the default tree.")
+    calibration_topk: int = documented(8, doc="Top-k choices per head considered for the calibrated tree.")
 
 
 @dataclass
@@ -147,6 +152,10 @@ class HeadsConfig:
         for key in ("num_prompts", "max_new_tokens"):
             if getattr(self.eval, key) < 1:
                 raise UserError(f"eval.{key} must be >= 1, got {getattr(self.eval, key)}")
+        if self.eval.tree_nodes < 0:
+            raise UserError(f"eval.tree_nodes must be >= 0 (0 = no calibrated tree), got {self.eval.tree_nodes}")
+        if self.eval.calibration_topk < 1:
+            raise UserError(f"eval.calibration_topk must be >= 1, got {self.eval.calibration_topk}")
         if self.eval.tree_depth is not None and not 1 <= self.eval.tree_depth <= self.heads.num_heads:
             raise UserError(f"eval.tree_depth must be between 1 and heads.num_heads ({self.heads.num_heads}), "
                             f"got {self.eval.tree_depth}")
@@ -249,16 +258,18 @@ class JointObjective(nn.Module):
         self.heads = heads
         self.loss_cfg, self.lora_cfg = loss, lora
 
-    def forward(self, input_ids, attention_mask, loss_mask, labels, heads_reach_target: bool = True):
-        out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                          use_cache=False)
+    def forward(self, input_ids, attention_mask, loss_mask, labels, heads_reach_target: bool = True,
+                position_ids=None):
+        out = self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          output_hidden_states=True, use_cache=False)
         hidden = out.hidden_states[-1]
         if not heads_reach_target:  # same values, zero gradient: the graph (and DDP) still see every parameter
             hidden = hidden.detach() + 0.0 * hidden
         original = None
         if self.loss_cfg.kind == "kl" or self.lora_cfg.lm_loss == "kl":
             with torch.no_grad(), self.target.disable_adapter():
-                original = self.target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+                original = self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       use_cache=False).logits
         heads_loss, logs = medusa_heads_loss(self.heads, hidden, loss_mask, labels, kind=self.loss_cfg.kind,
                                              decay=self.loss_cfg.decay, teacher_logits=original,
                                              chunk_size=self.loss_cfg.chunk_size)
@@ -275,12 +286,13 @@ class JointObjective(nn.Module):
 
 
 def heads_acceptance(target, heads: MedusaHeads, prompts: list[EvalPrompt], *, tree_depth: int,
-                     max_new_tokens: int, eos_token_ids: set[int]) -> dict:
-    """Greedy Medusa tree decoding of `prompts`: tau, acceptance and per-head acceptance."""
+                     max_new_tokens: int, eos_token_ids: set[int], tree: list | None = None) -> dict:
+    """Greedy Medusa tree decoding of `prompts`: tau, acceptance and per-head acceptance (with
+    `tree`, or the default tree cut to `tree_depth`)."""
     from ..decoding.medusa import MedusaDecoder
     from .tree import default_tree
 
-    decoder = MedusaDecoder(target, heads, tree=default_tree(tree_depth), temperature=0.0,
+    decoder = MedusaDecoder(target, heads, tree=tree or default_tree(tree_depth), temperature=0.0,
                             eos_token_ids=eos_token_ids)
     return greedy_acceptance(decoder, prompts, max_new_tokens, extra={"tree_nodes": decoder.num_tree_nodes})
 
@@ -360,24 +372,29 @@ def run_heads_training(cfg: HeadsConfig) -> dict:
 
     eos_list = end_token_ids(tokenizer, target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_list[0]
-    collator = DistillCollator(cfg.data.max_seq_len, pad_id)
+    collator = DistillCollator(cfg.data.max_seq_len, pad_id, align_prompts=True)
 
     if cfg.lora.enabled:  # after the data: the target answered the prompts as it was
         module = JointObjective(add_lora(target, cfg.lora), heads, cfg.loss, cfg.lora)
 
         def loss_fn(model, batch):
             return model(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["labels"],
-                         heads_reach_target=batch["step"] >= cfg.lora.heads_warmup_steps)
+                         heads_reach_target=batch["step"] >= cfg.lora.heads_warmup_steps,
+                         position_ids=batch["position_ids"])
     else:
         module = HeadsObjective(heads, cfg.loss)
 
         def loss_fn(model, batch):
+            # Nothing before the first trained position counts: the target's LM head skips it.
+            start = response_window(batch["loss_mask"])
+            keep = batch["input_ids"].shape[1] - start if cfg.loss.kind == "kl" else 1
             with torch.no_grad():
                 o = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           output_hidden_states=True, use_cache=False,
-                           **({} if cfg.loss.kind == "kl" else {"logits_to_keep": 1}))
+                           position_ids=batch["position_ids"], output_hidden_states=True, use_cache=False,
+                           logits_to_keep=keep)
             teacher = o.logits if cfg.loss.kind == "kl" else None
-            return model(o.hidden_states[-1], batch["loss_mask"], batch["labels"], teacher)
+            return model(o.hidden_states[-1][:, start:], batch["loss_mask"][:, start:], batch["labels"][:, start:],
+                         teacher)
 
     target_eos = eos_ids(target, tokenizer)
     depth = cfg.eval.tree_depth or cfg.heads.num_heads
@@ -394,24 +411,49 @@ def run_heads_training(cfg: HeadsConfig) -> dict:
     final = result.best_metrics
     summary = {"output_dir": str(out), "kind": cfg.kind, "initial_tau": initial["tau"], "final_tau": final["tau"],
                "best_step": result.best_step, "steps": result.step, "final_dir": str(out / "final")}
+    calibrated = None
+    if main and cfg.eval.tree_nodes:
+        calibrated = calibrate_tree(result.model, cfg, target, prompts, depth, eos_list, target_eos)
+        accelerator.print(f"calibrated tree: {cfg.eval.tree_nodes} nodes, held-out tau {calibrated['tau']:.3f} "
+                          f"(default tree {final['tau']:.3f})")
     if main:
         export_final(result.model, cfg, tokenizer, out / "final", result.step, result.best_step, initial, final,
-                     len(prompts))
+                     len(prompts), calibrated=calibrated)
         atomic_write_json(out / "eval" / "initial.json", initial)
         atomic_write_json(out / "eval" / "final.json", final)
+        if calibrated:
+            atomic_write_json(out / "eval" / "calibrated.json", calibrated)
         accelerator.print(f"tau {initial['tau']:.3f} -> {final['tau']:.3f} (step {result.best_step}); "
                           f"heads in {out / 'final'}")
     accelerator.wait_for_everyone()
     return summary
 
 
+def calibrate_tree(module: nn.Module, cfg: HeadsConfig, target, prompts: list[EvalPrompt], depth: int,
+                   eos_list: list[int], target_eos: set[int]) -> dict:
+    """The trained heads' top-k accuracy on the held-out prompts, the tree it implies, and that
+    tree's held-out acceptance: {"topk_accuracy", "tree", **acceptance metrics}."""
+    from .calibrate import head_topk_accuracy
+    from .tree import tree_from_accuracies
+
+    module.eval()  # LoRA dropout off, as in every evaluation
+    verifier = module.target if cfg.lora.enabled else target
+    accuracy = head_topk_accuracy(verifier, module.heads, [p.ids for p in prompts], topk=cfg.eval.calibration_topk,
+                                  max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=eos_list)
+    tree = tree_from_accuracies(accuracy[:depth], cfg.eval.tree_nodes)
+    metrics = heads_acceptance(verifier, module.heads, prompts, tree_depth=depth, tree=tree,
+                               max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=target_eos)
+    return {**metrics, "topk_accuracy": accuracy, "tree": [list(p) for p in tree]}
+
+
 # ----------------------------------------------------------------------------- export
 
 
 def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path, steps: int, best_step: int,
-                 initial: dict, final: dict, num_prompts: int) -> None:
-    """final/: the heads in vLLM's format; Medusa-2 also target/, the merged adapted target (the verifier).
-    Written into one temporary directory and renamed, so heads never point at a half-written verifier."""
+                 initial: dict, final: dict, num_prompts: int, calibrated: dict | None = None) -> None:
+    """final/: the heads in vLLM's format (with the calibrated tree, if any); Medusa-2 also target/,
+    the merged adapted target (the verifier). Written into one temporary directory and renamed,
+    so heads never point at a half-written verifier."""
     from ..export import render_acceptance_table
     from .export import save_medusa
 
@@ -420,6 +462,9 @@ def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path
     verifier = str((final_dir / "target").resolve()) if cfg.lora.enabled else None
     info = {"kind": cfg.kind, "target": cfg.target, **({"verifier": verifier} if verifier else {})}
     rows = [table_row("fresh heads (before training)", initial), table_row(f"trained (step {best_step})", final)]
+    if calibrated:
+        info |= {"tree": calibrated["tree"], "topk_accuracy": calibrated["topk_accuracy"]}
+        rows.append(table_row(f"trained, calibrated tree ({len(calibrated['tree'])} nodes)", calibrated))
     with atomic_dir(final_dir, overwrite=True) as tmp:
         save_medusa(heads, tmp, extra={"drafttrain": info, "base_model": verifier or cfg.target},
                     card_notes=_card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows)))

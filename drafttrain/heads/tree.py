@@ -40,6 +40,47 @@ def default_tree(num_heads: int = 4) -> list[Path]:
     return [p for p in DEFAULT_TREE if len(p) <= num_heads]
 
 
+def tree_from_accuracies(accuracy, num_paths: int) -> list[Path]:
+    """The `num_paths` paths with the largest expected acceptance, from measured head accuracies.
+
+    accuracy[i][j]: how often head i's j-th most likely token is the target's token (measured on
+    held-out text). If heads were independent, a path's chance of being accepted whole is the
+    product of its choices' accuracies, and the tree that maximises the expected accepted length
+    with a fixed node budget is simply the top-`num_paths` paths by that product (Medusa's
+    tree construction). A child's product never exceeds its parent's, so the best-first search
+    below only ever picks paths whose parent is already in: the tree is prefix-closed.
+    """
+    import heapq
+
+    acc = [[float(a) for a in row] for row in accuracy]
+    if not acc or not all(acc):
+        raise ValueError("accuracy needs at least one head with at least one top-k entry")
+    if num_paths < 1:
+        raise ValueError(f"num_paths must be >= 1, got {num_paths}")
+    frontier = [(-acc[0][j], (j,)) for j in range(len(acc[0]))]
+    heapq.heapify(frontier)
+    chosen: list[Path] = []
+    while frontier and len(chosen) < num_paths:
+        neg, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(acc):
+            for j, a in enumerate(acc[len(path)]):
+                heapq.heappush(frontier, (neg * a, path + (j,)))
+    return chosen
+
+
+def expected_accepted_length(paths: list[Path], accuracy) -> float:
+    """Expected number of head tokens a tree accepts per step under the independence model of
+    `tree_from_accuracies`: the sum over nodes of the chance that the node's path is accepted."""
+    total = 0.0
+    for path in paths:
+        prob = 1.0
+        for depth, j in enumerate(path):
+            prob *= float(accuracy[depth][j])
+        total += prob
+    return total
+
+
 def chain_tree(depth: int) -> list[Path]:
     """Plain top-1 speculation as a tree: (0,), (0, 0), ... `depth` draft tokens."""
     return [(0,) * d for d in range(1, depth + 1)]

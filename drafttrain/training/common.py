@@ -112,6 +112,15 @@ def greedy_acceptance(decoder, prompts: list[EvalPrompt], max_new_tokens: int, e
             **(extra or {})}
 
 
+def response_window(loss_mask) -> int:
+    """Where the batch's first trained position is: logits before it are never used, and on a 50k
+    vocabulary the LM head over the prompt costs as much as the rest of the draft."""
+    rows = loss_mask.any(dim=1)
+    if not bool(rows.any()):
+        return 0
+    return int(loss_mask.int().argmax(dim=1)[rows].min())
+
+
 def table_row(name: str, metrics: dict) -> dict:
     """One row of the exported acceptance table, from an evaluation's metrics."""
     return {"drafter": name, "num_draft_tokens": metrics["num_draft_tokens"], "tau": metrics["tau"],
@@ -178,7 +187,18 @@ def recipe_main(config_cls: type, run_fn: Callable, argv: list[str] | None, prog
         if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike; say it once
             print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    finally:
+        _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Tear the process group down before the interpreter does: left to exit, gloo's threads can
+    die un-joined ("terminate called without an active exception", SIGABRT) after a finished run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 __all__ = ["EvalPrompt", "eval_prompts", "expand_vars", "greedy_acceptance", "note_config_change",

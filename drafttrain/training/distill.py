@@ -28,8 +28,8 @@ from ..errors import UserError
 from ..fileio import atomic_write_json
 from ..losses import LOSSES, distill_loss
 from ..models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
-from .common import (EvalPrompt, expand_vars, greedy_acceptance, prepare_recipe_data, table_row, validate_common,
-                     write_run_config)
+from .common import (EvalPrompt, expand_vars, greedy_acceptance, prepare_recipe_data, response_window, table_row,
+                     validate_common, write_run_config)
 from .trainer import OptimConfig, TrainConfig, build_accelerator, is_sharded, train, zero3_init_disabled
 
 LossKind = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
@@ -46,6 +46,9 @@ class DraftConfig:
     from_target_layers: str | None = documented(
         None, doc="Or build the draft from a subset of the target's decoder layers: every:N, first:N or "
                   "a list like 0,4,8 (embeddings, final norm and LM head are copied too).")
+    freeze_embeddings: bool = documented(
+        False, doc="Keep the draft's input embeddings and LM head fixed (the target's, when built from its layers): "
+                   "a same-family draft already shares them, and the step gets cheaper.")
 
 
 @dataclass
@@ -164,13 +167,15 @@ def onpolicy_batch(draft, batch: dict, collator: DistillCollator, *, temperature
                    eos_ids: list[int], pad_id: int, seed: int, synced_gpus: bool = False) -> dict:
     """The batch's prompts, each continued by `draft` (sampled, or greedy at temperature 0).
 
-    A prompt ends where its loss mask starts: `loss_mask[t]` is first True at t = len(prompt) - 1.
+    A prompt ends where its loss mask starts: `loss_mask[t]` is first True at t = len(prompt) - 1
+    (pad tokens before it, if the collator aligned prompts, are dropped by the attention mask).
     """
     from transformers import GenerationConfig
 
     device = batch["input_ids"].device
     starts = batch["loss_mask"].int().argmax(dim=1).tolist()
-    prompts = [batch["input_ids"][i, :s + 1].tolist() for i, s in enumerate(starts)]
+    prompts = [batch["input_ids"][i, :s + 1][batch["attention_mask"][i, :s + 1].bool()].tolist()
+               for i, s in enumerate(starts)]
     input_ids, attention_mask = left_pad(prompts, pad_id, device)
     sampling = temperature > 0
     gen_cfg = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
@@ -235,8 +240,12 @@ def load_models(cfg: DistillConfig, device: torch.device):
         draft = draft_from_target(target, cfg.draft.from_target_layers).to(torch.float32)
     require_compatible(compatibility_checks(target, tokenizer, draft, draft_tok))
     draft.requires_grad_(True)
+    if cfg.draft.freeze_embeddings:
+        draft.get_input_embeddings().requires_grad_(False)
+        draft.get_output_embeddings().requires_grad_(False)
     draft.train()
     return tokenizer, target, draft
+
 
 
 def run_distillation(cfg: DistillConfig) -> dict:
@@ -267,7 +276,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
                       f"({len(prompts)} used for evaluation)")
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_list[0]
-    collator = DistillCollator(cfg.data.max_seq_len, pad_id)
+    collator = DistillCollator(cfg.data.max_seq_len, pad_id, align_prompts=True)
     target_vocab = target.get_output_embeddings().weight.shape[0]
     synced = is_sharded(accelerator) and accelerator.num_processes > 1
     onpolicy_max_new = cfg.onpolicy.max_new_tokens or cfg.data.max_response_tokens
@@ -279,18 +288,22 @@ def run_distillation(cfg: DistillConfig) -> dict:
                                    temperature=cfg.onpolicy.temperature, max_new_tokens=onpolicy_max_new,
                                    eos_ids=eos_list, pad_id=pad_id, synced_gpus=synced,
                                    seed=cfg.train.seed * 1_000_003 + batch["batch_index"])
-        mask = batch["loss_mask"]
-        student = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        start = response_window(batch["loss_mask"])
+        keep = batch["input_ids"].shape[1] - start  # logits only from the first response position on
+        mask = batch["loss_mask"][:, start:]
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        student = model(**inputs, logits_to_keep=keep).logits
         if cfg.loss.kind == "ce":
             teacher = None
         elif "topk_ids" in batch and not on:
-            teacher = topk_teacher_logits(batch["topk_ids"], batch["topk_logprobs"], target_vocab)
+            teacher = topk_teacher_logits(batch["topk_ids"][:, start:], batch["topk_logprobs"][:, start:],
+                                          target_vocab)
         else:
             with torch.no_grad():
-                teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                teacher = target(**inputs, logits_to_keep=keep).logits
         loss = distill_loss(student, teacher, mask, kind=cfg.loss.kind, beta=cfg.loss.beta,
                             temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size,
-                            labels=batch["labels"] if cfg.loss.kind == "ce" else None)
+                            labels=batch["labels"][:, start:] if cfg.loss.kind == "ce" else None)
         return loss, {"onpolicy": float(on), "tokens": mask.sum()}
 
     target_eos = eos_ids(target, tokenizer)

@@ -14,7 +14,9 @@ from tiny import save_pair, tiny_lm, tiny_tokenizer
 import drafttrain.heads.train as heads_train
 from drafttrain.cli import main as cli_main
 from drafttrain.data.collate import DistillCollator
+from drafttrain.heads.calibrate import head_topk_accuracy
 from drafttrain.heads.model import MedusaHeads
+from drafttrain.heads.tree import tree_from_accuracies
 from drafttrain.heads.train import HeadsLoraConfig, HeadsLossConfig, JointObjective, add_lora, medusa_heads_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,11 +145,11 @@ def run_recipe(setup, out, *overrides):
                         f"data.cache_dir={setup / 'cache'}", *overrides])
 
 
-def run_eval(target, heads, prompts, out, capsys, dtype="float32"):
+def run_eval(target, heads, prompts, out, capsys, dtype="float32", tree="auto"):
     capsys.readouterr()
     code = cli_main(["eval", "--target", str(target), "--heads", str(heads), "--prompts", str(prompts),
                      "--max-new-tokens", "24", "--num-draft-tokens", "3", "--dtype", dtype, "--out", str(out),
-                     "--quiet"])
+                     "--tree", tree, "--quiet"])
     assert code == 0, capsys.readouterr().err
     return json.loads((out / "report.json").read_text())
 
@@ -175,10 +177,19 @@ def test_medusa1_raises_tau_and_leaves_the_target_alone(setup, tmp_path, monkeyp
         assert torch.equal(trained_with.state_dict()[name], value), name
 
     info = json.loads((out / "final" / "config.json").read_text())["drafttrain"]
-    assert info == {"kind": "medusa-1", "target": str(setup / "target")}
-    # The export is what was evaluated: drafttrain eval measures the same tau, lossless.
+    calibrated = json.loads((out / "eval" / "calibrated.json").read_text())
+    assert info == {"kind": "medusa-1", "target": str(setup / "target"), "tree": calibrated["tree"],
+                    "topk_accuracy": calibrated["topk_accuracy"]}
+    assert [tuple(p) for p in info["tree"]] == tree_from_accuracies(info["topk_accuracy"], 22)
+    # The export is what was evaluated: drafttrain eval measures the same tau, lossless, with the
+    # calibrated tree by default and with the default tree on request.
     report = run_eval(setup / "target", out / "final", out / "heldout.jsonl", tmp_path / "eval", capsys)
     assert report["overall"]["outputs_match_baseline"] == 1.0
+    assert report["overall"]["tree"] == "calibrated"
+    assert report["overall"]["mean_accepted_length"] == pytest.approx(calibrated["tau"], abs=1e-9)
+    report = run_eval(setup / "target", out / "final", out / "heldout.jsonl", tmp_path / "eval-default", capsys,
+                      tree="default")
+    assert report["overall"]["tree"] == "default"
     assert report["overall"]["mean_accepted_length"] == pytest.approx(final["tau"], abs=1e-9)
 
 
@@ -200,11 +211,43 @@ def test_medusa2_exports_the_adapted_target_as_verifier(setup, tmp_path, capsys)
     changed = {k for k in before if not torch.equal(before[k].double(), after[k])}
     assert changed and all(k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in changed)
 
-    final = json.loads((out / "eval" / "final.json").read_text())
+    calibrated = json.loads((out / "eval" / "calibrated.json").read_text())
     report = run_eval(final_dir / "target", final_dir, out / "heldout.jsonl", tmp_path / "eval", capsys, "float64")
     assert report["overall"]["outputs_match_baseline"] == 1.0
     assert report["heads"]["verifier"] == info["verifier"]
-    assert report["overall"]["mean_accepted_length"] == pytest.approx(final["tau"], abs=1e-9)
+    assert report["overall"]["mean_accepted_length"] == pytest.approx(calibrated["tau"], abs=1e-9)
+
+
+def test_head_topk_accuracy_against_a_position_by_position_count():
+    target = tiny_lm(seed=5, dtype=torch.float64)
+    torch.manual_seed(1)
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1).double()
+    with torch.no_grad():
+        for block in heads.blocks:  # fresh heads copy the target's LM head; make them differ
+            for p in block.parameters():
+                p.normal_(0, 0.5)
+    prompts = [[5, 9, 11], [7, 8, 9, 10, 12], [30]]
+    k, new = 4, 10
+    acc = head_topk_accuracy(target, heads, prompts, topk=k, max_new_tokens=new, eos_token_ids=[2], batch_size=2)
+
+    hits = [[0] * k for _ in range(3)]
+    counts = [0] * 3
+    for prompt in prompts:
+        seq = list(prompt)
+        while len(seq) < len(prompt) + new and (len(seq) == len(prompt) or seq[-1] != 2):  # greedy, one at a time
+            seq.append(int(target(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        states = target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+        for t in range(len(prompt) - 1, len(seq)):
+            for i in range(3):
+                if t + 2 + i < len(seq):
+                    ranking = heads.forward_head(i, states[t]).argsort(descending=True).tolist()
+                    rank = ranking.index(seq[t + 2 + i])
+                    counts[i] += 1
+                    if rank < k:
+                        hits[i][rank] += 1
+    expected = [[h / counts[i] for h in hits[i]] for i in range(3)]
+    assert [a for row in acc for a in row] == pytest.approx([e for row in expected for e in row], abs=1e-12)
+    assert any(a > 0 for row in acc for a in row)
 
 
 # ----------------------------------------------------------------------------- bad configs
@@ -216,6 +259,7 @@ def test_medusa2_exports_the_adapted_target_as_verifier(setup, tmp_path, capsys)
     (["lora.r=4"], "lora.enabled"),
     (["lora.enabled=true", "lora.target_modules=[qkv]"], "qkv"),
     (["eval.tree_depth=5"], "tree_depth"),
+    (["eval.tree_nodes=-1"], "tree_nodes"),
     (["loss.kind=mse"], "loss.kind"),
 ])
 def test_bad_config_is_one_error_line(setup, tmp_path, capsys, overrides, needle):

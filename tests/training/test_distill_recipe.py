@@ -19,6 +19,7 @@ from training_helpers import (RECIPE, assert_same_weights, load_recipe, load_wei
 from drafttrain.config import dump_config_yaml, load_config, undocumented_fields
 from drafttrain.data.collate import DistillCollator
 from drafttrain.losses import distill_loss
+from drafttrain.training.common import response_window
 from drafttrain.training.distill import DistillConfig, onpolicy_batch, onpolicy_step, topk_teacher_logits
 
 EOS = 2  # tests/tiny.py: <|im_end|>
@@ -295,3 +296,51 @@ def test_shipped_configs_load(name):
 
     cfg = load_config(DistillConfig, REPO / "recipes" / "configs" / name, ["output_dir=x", "target=y"])
     assert cfg.loss.kind == "forward_kl" and cfg.train.max_steps > 0
+
+
+# ----------------------------------------------------------------------------- cheaper steps
+
+
+def test_response_window_starts_at_the_first_trained_position():
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[0, 6:9] = True
+    mask[1, 4:7] = True   # the earliest response: position 4
+    assert response_window(mask) == 4
+    assert response_window(torch.zeros(2, 5, dtype=torch.bool)) == 0  # nothing to train: keep everything
+
+
+def test_aligned_prompts_and_windowed_logits_give_the_plain_loss():
+    from tiny import tiny_lm
+
+    student, teacher = tiny_lm(seed=3), tiny_lm(seed=4)
+    rows = [{"prompt_ids": [5, 6, 7, 8, 9, 10], "response_ids": [11, 12, EOS]},
+            {"prompt_ids": [5, 6], "response_ids": [13, 14, 15, 16, EOS]},
+            {"prompt_ids": [20, 21, 22], "response_ids": [23]}]
+    plain = DistillCollator(64, EOS)(rows)  # right padding, logits everywhere: the reference
+    kw = dict(input_ids=plain["input_ids"], attention_mask=plain["attention_mask"])
+    reference = distill_loss(student(**kw).logits, teacher(**kw).logits, plain["loss_mask"], kind="jsd")
+
+    batch = DistillCollator(64, EOS, align_prompts=True)(rows)
+    start = response_window(batch["loss_mask"])
+    assert start == 5  # every response starts after the longest prompt (6 tokens)
+    assert batch["loss_mask"][:, :start].sum() == 0 and batch["loss_mask"].sum() == plain["loss_mask"].sum()
+    assert batch["position_ids"][1].tolist()[4:11] == [0, 1, 2, 3, 4, 5, 6]
+    keep = batch["input_ids"].shape[1] - start
+    kw = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    windowed = distill_loss(student(**kw, logits_to_keep=keep).logits, teacher(**kw, logits_to_keep=keep).logits,
+                            batch["loss_mask"][:, start:], kind="jsd")
+    torch.testing.assert_close(windowed, reference, rtol=1e-10, atol=0)
+
+
+def test_frozen_embeddings_stay_the_targets_while_the_layers_train(assets, tmp_path):
+    out = tmp_path / "run"
+    args = recipe_args(assets, out, "draft.path=null", "draft.from_target_layers=first:1",
+                       "draft.freeze_embeddings=true", "train.max_steps=4", "train.eval_every=0", "train.keep_best=false",
+                       "eval.num_prompts=2")
+    assert load_recipe().main(args) == 0
+    before, after = load_weights(out / "initial"), load_weights(out / "final")
+    target = load_weights(assets["target"])
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        torch.testing.assert_close(after[name], target[name], rtol=0, atol=0)
+    trained = [k for k in before if "layers" in k and not torch.equal(before[k], after[k])]
+    assert trained, "no decoder-layer weight changed"
