@@ -5,7 +5,8 @@
 #   3. compare the initial draft, the distilled draft and n-gram drafting on held-out HumanEval
 #      prompts in one run, against the target alone: runs/demo/report/comparison.md.
 # Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).
-# LOSSES="forward_kl tvd" distils one draft per loss and compares them all.
+# LOSSES="forward_kl tvd" distils one draft per loss and compares them all; HEADS=1 also trains
+# Medusa heads (recipes/configs/smollm2_heads_demo.yaml, ~25 more minutes on 2 cores) and adds them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(bash scripts/setup_env.sh | tail -1)
@@ -16,6 +17,7 @@ OUT=${OUT:-runs/demo}
 LIMIT=${LIMIT:-12}          # HumanEval prompts in the final comparison
 MAX_NEW=${MAX_NEW:-96}      # new tokens per prompt
 LOSSES=${LOSSES:-forward_kl}
+HEADS=${HEADS:-0}
 mkdir -p "$OUT"
 
 TARGET=$(drafttrain assets smollm2 | tail -1)
@@ -30,6 +32,11 @@ for loss in $LOSSES; do
     output_dir="$OUT/distill-$loss" loss.kind="$loss"
   drafters+=(--drafter "distilled-$loss=draft:$OUT/distill-$loss/final")
 done
+if [ "$HEADS" = 1 ]; then
+  accelerate launch --config_file recipes/accelerate/single.yaml recipes/train_heads.py \
+    --config recipes/configs/smollm2_heads_demo.yaml target="$TARGET" output_dir="$OUT/heads"
+  drafters+=(--drafter "heads-medusa1=heads:$OUT/heads/final")
+fi
 drafttrain compare --target "$TARGET" "${drafters[@]}" --drafter ngram=ngram \
   --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens 4 \
   --out "$OUT/report"
