@@ -17,6 +17,8 @@ OUT=${OUT:-runs/demo}
 LIMIT=${LIMIT:-12}          # HumanEval prompts in the final comparison
 MAX_NEW=${MAX_NEW:-96}      # new tokens per prompt
 LOSSES=${LOSSES:-forward_kl}
+# accelerate launch pins a process to ONE thread (OMP_NUM_THREADS=1) unless told otherwise.
+THREADS=${THREADS:-$(nproc)}
 HEADS=${HEADS:-0}
 mkdir -p "$OUT"
 
@@ -27,13 +29,15 @@ drafttrain assets humaneval --out "$OUT/humaneval.jsonl" >/dev/null
 
 drafters=(--drafter "initial=draft:$OUT/distill-${LOSSES%% *}/initial")
 for loss in $LOSSES; do
-  accelerate launch --config_file recipes/accelerate/single.yaml recipes/distill.py \
+  accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
+    recipes/distill.py \
     --config recipes/configs/smollm2_distill_demo.yaml target="$TARGET" \
     output_dir="$OUT/distill-$loss" loss.kind="$loss"
   drafters+=(--drafter "distilled-$loss=draft:$OUT/distill-$loss/final")
 done
 if [ "$HEADS" = 1 ]; then
-  accelerate launch --config_file recipes/accelerate/single.yaml recipes/train_heads.py \
+  accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
+    recipes/train_heads.py \
     --config recipes/configs/smollm2_heads_demo.yaml target="$TARGET" output_dir="$OUT/heads"
   drafters+=(--drafter "heads-medusa1=heads:$OUT/heads/final")
 fi

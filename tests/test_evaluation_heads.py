@@ -61,3 +61,26 @@ def test_eval_heads_wrong_target(tmp_path, capsys):
                  "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "hidden" in err[0]
+
+
+def test_eval_heads_with_a_tree_file_and_bad_trees(tmp_path, capsys):
+    tok = tiny_tokenizer(64)
+    target = tiny_lm(0, dtype=torch.float64)
+    save_pair(tmp_path / "target", target, tok)
+    save_medusa(MedusaHeads.from_target(target, num_heads=2, num_layers=1), tmp_path / "heads")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w5 w6 w7"}\n')
+    argv = ["eval", "--target", str(tmp_path / "target"), "--heads", str(tmp_path / "heads"), "--prompts",
+            str(tmp_path / "p.jsonl"), "--max-new-tokens", "8", "--dtype", "float64", "--quiet"]
+    tree = tmp_path / "tree.json"
+    tree.write_text("[[0], [1], [0, 0], [0, 1], [1, 0]]")
+    assert main([*argv, "--tree", str(tree), "--out", str(tmp_path / "ok")]) == 0
+    overall = json.loads((tmp_path / "ok" / "report.json").read_text())["overall"]
+    assert overall["tree"] == str(tree) and overall["tree_nodes"] == 6 and overall["outputs_match_baseline"] == 1.0
+
+    for name, text in [("orphan.json", "[[0, 0]]"), ("notjson.json", "[[0], "), ("missing.json", None)]:
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        capsys.readouterr()
+        code = main([*argv, "--tree", str(tmp_path / name), "--out", str(tmp_path / name / "out")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: --tree"), (name, err)
