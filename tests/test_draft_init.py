@@ -127,3 +127,55 @@ def test_unsupported_model_names_its_type():
 
     with pytest.raises(UserError, match="'oddformer'"):
         draft_from_target(Odd(), "every:2")
+
+
+# ----------------------------------------------------------------------------- copy:N
+
+
+def test_head_scores_of_uniform_attention_are_hand_computable():
+    """With zero query weights every head attends uniformly over the causal prefix: at position t
+    each key gets 1 / (t + 1), so both probes have closed-form means."""
+    from drafttrain.draft_init import head_scores
+
+    model = tiny_llama(layers=3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+    model.set_attn_implementation("sdpa")
+    L = 10
+    prev, induction = head_scores(model, seq_len=L, batch=2)
+    assert prev.shape == induction.shape == (3, 4)
+    expected_prev = sum(1 / (t + 1) for t in range(1, 2 * L)) / (2 * L - 1)
+    expected_induction = sum(1 / (t + 1) for t in range(L, 2 * L - 1)) / (L - 1)
+    torch.testing.assert_close(prev, torch.full((3, 4), expected_prev, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(induction, torch.full((3, 4), expected_induction, dtype=torch.float32),
+                               rtol=1e-5, atol=1e-6)
+    assert model.config._attn_implementation == "sdpa"  # the probe switches to eager and back
+
+
+def fake_scores(prev_by_layer, induction_by_layer):
+    prev = torch.tensor(prev_by_layer)[:, None].repeat(1, 4)
+    induction = torch.tensor(induction_by_layer)[:, None].repeat(1, 4)
+    prev[:, 1] = 0.0  # per-layer scores are the best head's
+    return lambda model: (prev, induction)
+
+
+def test_copy_circuit_keeps_the_circuit_whole_and_fills_from_the_bottom(monkeypatch):
+    import drafttrain.draft_init as draft_init
+
+    #        layer:  0    1    2    3    4    5    6    7    8    9
+    prev =        [0.1, 0.2, 0.7, 0.1, 0.9, 0.1, 0.3, 0.1, 0.6, 0.95]
+    induction =   [0.0, 0.0, 0.0, 0.1, 0.0, 0.2, 0.8, 0.4, 0.0, 0.0]
+    monkeypatch.setattr(draft_init, "head_scores", fake_scores(prev, induction))
+    model = tiny_llama(layers=10)
+    # Induction peaks at 6; the best previous-token layer below it is 4 (9 is stronger but above).
+    assert draft_init.copy_circuit_layers(model, 3) == [4, 5, 6]
+    assert draft_init.copy_circuit_layers(model, 5) == [0, 1, 4, 5, 6]
+    assert draft_init.copy_circuit_layers(model, 8) == [0, 1, 2, 3, 4, 5, 6, 7]
+    with pytest.raises(UserError, match="copy:3 or more"):
+        draft_init.copy_circuit_layers(model, 2)
+    draft = draft_from_target(model, "copy:5")
+    assert draft.config.num_hidden_layers == 5 and draft.source_layers == [0, 1, 4, 5, 6]
+    torch.testing.assert_close(draft.model.layers[4].mlp.up_proj.weight, model.model.layers[6].mlp.up_proj.weight)
+    with pytest.raises(UserError, match="has 10"):
+        draft_init.copy_circuit_layers(model, 11)

@@ -336,3 +336,27 @@ def test_bad_arguments_raise_value_error():
         distill_loss(student, teacher, mask[:, :1], kind="forward_kl")
     with pytest.raises(ValueError, match="chunk_size"):
         distill_loss(student, teacher, mask, kind="forward_kl", chunk_size=0)
+
+
+@pytest.mark.parametrize("k", [1, 5, 24])
+def test_topk_forward_kl_equals_the_dense_loss_on_the_reconstructed_teacher(k):
+    from drafttrain.losses import topk_forward_kl
+    from drafttrain.training.distill import topk_teacher_logits
+
+    g = torch.Generator().manual_seed(k)
+    V = 24
+    student = torch.randn(3, 5, V, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(3, 5, V, generator=g, dtype=torch.float64) * 3
+    values, ids = teacher.log_softmax(-1).topk(k, dim=-1)
+    mask = torch.rand(3, 5, generator=g) < 0.6
+    mask[0, 0] = True
+    dense = distill_loss(student, topk_teacher_logits(ids, values, V).to(torch.float64), mask, kind="forward_kl")
+    (dense_grad,) = torch.autograd.grad(dense, student)
+    sparse = topk_forward_kl(student, ids, values, mask)
+    (sparse_grad,) = torch.autograd.grad(sparse, student)
+    # topk_teacher_logits rebuilds the teacher in float32: agreement to float32 precision.
+    torch.testing.assert_close(sparse, dense, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(sparse_grad, dense_grad, rtol=1e-6, atol=1e-7)
+    assert sparse_grad[~mask].abs().sum() == 0
+    empty = topk_forward_kl(student, ids, values, torch.zeros_like(mask))
+    assert empty.item() == 0.0

@@ -85,6 +85,12 @@ class DataConfig:
         default=0,
         metadata={"doc": "0: store only response tokens; k > 0: also the target's k most likely tokens and "
                          "their log-probs (temperature 1) at each response position, for offline distillation"})
+    prompt_loss_weight: float = field(
+        default=0.0,
+        metadata={"doc": "distillation: weight of the prompt's own positions in the loss, next to the response's "
+                         "(weight 1). The prompt runs through the draft anyway, so its positions add the "
+                         "target's next-token distribution on more text for little compute; with store_topk > 0 "
+                         "the target's top-k is stored at prompt positions too. 0: response positions only"})
     cache_dir: str = field(
         default_factory=default_data_cache_dir,
         metadata={"doc": "where generated responses are cached; default $DRAFTTRAIN_HOME/data "
@@ -119,3 +125,5 @@ class DataConfig:
                 raise UserError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.store_topk < 0:
             raise UserError(f"store_topk must be >= 0, got {self.store_topk}")
+        if self.prompt_loss_weight < 0:
+            raise UserError(f"prompt_loss_weight must be >= 0, got {self.prompt_loss_weight}")

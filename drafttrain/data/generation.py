@@ -62,6 +62,8 @@ def cache_key(fingerprint: str, prompts: Sequence[Sequence[int]], cfg: DataConfi
         "seed": cfg.seed if sampling else None,
         "batch_size": cfg.generation_batch_size if sampling else None,
     }
+    if cfg.store_topk and cfg.prompt_loss_weight > 0:
+        settings["prompt_topk"] = True  # added only when set, so caches without it keep their keys
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for ids in prompts:
         h.update(json.dumps(list(ids)).encode())
@@ -81,7 +83,9 @@ def generate_responses(
 ):
     """Rows `prompt_ids`, `response_ids` (ending with EOS when the target stopped) and, if
     `cfg.store_topk` > 0, `topk_ids` / `topk_logprobs` of shape [len(response), k]: the target's
-    top-k log-softmax (temperature 1) at each response position. Row i answers records[i]."""
+    top-k log-softmax (temperature 1) at each response position. With `cfg.prompt_loss_weight` > 0
+    too, `prompt_topk_ids` / `prompt_topk_logprobs` [len(prompt) - 1, k] hold the target's top-k at
+    prompt positions 0 .. len(prompt) - 2 (predicting prompt tokens 1 ..). Row i answers records[i]."""
     import datasets
 
     cfg.validate()
@@ -91,7 +95,7 @@ def generate_responses(
     if path.is_dir():  # only complete datasets are ever renamed into place
         return datasets.load_from_disk(str(path))
 
-    responses, topk_ids, topk_logprobs = _generate_all(target_model, tokenizer, prompts, cfg, eos_ids)
+    responses, topk_ids, topk_logprobs, prompt_cols = _generate_all(target_model, tokenizer, prompts, cfg, eos_ids)
     List = getattr(datasets, "List", None) or datasets.Sequence  # `List` since datasets 4
     columns = {"prompt_ids": prompts, "response_ids": responses}
     features = {"prompt_ids": List(datasets.Value("int32")), "response_ids": List(datasets.Value("int32"))}
@@ -99,13 +103,18 @@ def generate_responses(
         columns |= {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs}
         features |= {"topk_ids": List(List(datasets.Value("int32"))),
                      "topk_logprobs": List(List(datasets.Value("float32")))}
+    if prompt_cols is not None:
+        columns |= {"prompt_topk_ids": prompt_cols[0], "prompt_topk_logprobs": prompt_cols[1]}
+        features |= {"prompt_topk_ids": List(List(datasets.Value("int32"))),
+                     "prompt_topk_logprobs": List(List(datasets.Value("float32")))}
     dataset = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
     try:
         with atomic_dir(path) as tmp:
             dataset.save_to_disk(str(tmp))
             meta = {"prompts": len(prompts), "target_fingerprint": target_fingerprint, "eos": eos_ids,
                     **{k: getattr(cfg, k) for k in ("response_temperature", "response_top_p",
-                                                    "max_response_tokens", "store_topk", "seed")}}
+                                                    "max_response_tokens", "store_topk", "seed")},
+                    "prompt_topk": prompt_cols is not None}
             (tmp / "drafttrain_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     except FileExistsError:
         pass  # another process cached the same key first; its content is equivalent
@@ -129,6 +138,9 @@ def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]
     responses: list = [None] * n
     topk_ids: list = [None] * n
     topk_logprobs: list = [None] * n
+    with_prompt_topk = bool(k) and cfg.prompt_loss_weight > 0
+    prompt_ids_k: list = [None] * n
+    prompt_logprobs_k: list = [None] * n
     # Longest first: similar lengths share a batch (little padding) and an out-of-memory shows up at once.
     order = sorted(range(n), key=lambda i: -len(prompts[i]))
     bs = cfg.generation_batch_size
@@ -138,6 +150,9 @@ def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]
         for start in tqdm(range(0, n, bs), desc="target responses", unit="batch"):
             idx = order[start:start + bs]
             input_ids, attention_mask = left_pad([prompts[i] for i in idx], pad_id, device)
+            if with_prompt_topk:
+                for row, (ids, lps) in enumerate(prompt_topk(model, input_ids, attention_mask, k)):
+                    prompt_ids_k[idx[row]], prompt_logprobs_k[idx[row]] = ids, lps
             out = model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.max_response_tokens,
                 eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
@@ -155,7 +170,21 @@ def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]
                     m = len(responses[i])
                     topk_ids[i] = indices[row, :m].tolist()
                     topk_logprobs[i] = values[row, :m].tolist()
-    return responses, topk_ids, topk_logprobs
+    return responses, topk_ids, topk_logprobs, ((prompt_ids_k, prompt_logprobs_k) if with_prompt_topk else None)
+
+
+def prompt_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, k: int) -> list[tuple[list, list]]:
+    """Per left-padded row: the target's top-k (ids, log-probs) at each prompt position but the last
+    (that one predicts the first response token, stored with the response)."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    out = []
+    for row in range(input_ids.shape[0]):  # one row at a time: a float32 [T, V] copy is small, [B, T, V] is not
+        n = int(attention_mask[row].sum())
+        lp = logits[row, input_ids.shape[1] - n:-1].float().log_softmax(-1)
+        values, indices = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        out.append((indices.cpu().tolist(), values.cpu().tolist()))
+    return out
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -136,6 +136,9 @@ class HeadsConfig:
     def validate(self) -> None:
         """Everything that can be checked without loading a model; raises a one-line UserError."""
         validate_common(self)
+        if self.data.prompt_loss_weight:
+            raise UserError("data.prompt_loss_weight is a distillation setting; heads train on response positions "
+                            "only, so set data.prompt_loss_weight=0")
         if self.heads.num_heads < 1:
             raise UserError(f"heads.num_heads must be >= 1, got {self.heads.num_heads}")
         if self.heads.num_layers < 0:

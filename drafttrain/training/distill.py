@@ -26,7 +26,7 @@ from ..data.config import DataConfig
 from ..data.generation import cut_at_eos, end_token_ids, left_pad
 from ..errors import UserError
 from ..fileio import atomic_write_json
-from ..losses import LOSSES, distill_loss
+from ..losses import LOSSES, distill_loss, topk_forward_kl
 from ..models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
 from .common import (EvalPrompt, expand_vars, greedy_acceptance, prepare_recipe_data, response_window, table_row,
                      validate_common, write_run_config)
@@ -44,8 +44,10 @@ class DraftConfig:
     path: str | None = documented(
         None, doc="An existing small model of the target's family (same tokenizer): a directory or hub id.")
     from_target_layers: str | None = documented(
-        None, doc="Or build the draft from a subset of the target's decoder layers: every:N, first:N or "
-                  "a list like 0,4,8 (embeddings, final norm and LM head are copied too).")
+        None, doc="Or build the draft from a subset of the target's decoder layers: every:N, first:N, a list "
+                  "like 0,4,8, or copy:N (N layers that keep the target's copying circuit - its strongest "
+                  "induction head and the previous-token head feeding it - whole). Embeddings, final norm and "
+                  "LM head are copied too.")
     freeze_embeddings: bool = documented(
         False, doc="Keep the draft's input embeddings and LM head fixed (the target's, when built from its layers): "
                    "a same-family draft already shares them, and the step gets cheaper.")
@@ -262,10 +264,13 @@ def run_distillation(cfg: DistillConfig) -> dict:
 
     # Everything is checked: from here on the run writes its directory.
     write_run_config(accelerator, cfg, out)
+    if cfg.draft.from_target_layers:
+        accelerator.print(f"draft: the target's layers {getattr(draft, 'source_layers', cfg.draft.from_target_layers)}")
     eos_list = end_token_ids(tokenizer, target)
     export_eos = eos_list[0] if len(eos_list) == 1 else eos_list
     base_info = {"target": cfg.target,
-                 "draft initialised from": cfg.draft.path or f"the target's layers {cfg.draft.from_target_layers}",
+                 "draft initialised from": cfg.draft.path or
+                 f"the target's layers {cfg.draft.from_target_layers} = {getattr(draft, 'source_layers', '?')}",
                  "recipe": "drafttrain recipes/distill.py"}
     if main and not (out / "initial").is_dir():
         export_draft(draft, tokenizer, out / "initial", eos_token_id=export_eos,
@@ -276,7 +281,8 @@ def run_distillation(cfg: DistillConfig) -> dict:
                       f"({len(prompts)} used for evaluation)")
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_list[0]
-    collator = DistillCollator(cfg.data.max_seq_len, pad_id, align_prompts=True)
+    prompt_weight = cfg.data.prompt_loss_weight
+    collator = DistillCollator(cfg.data.max_seq_len, pad_id, align_prompts=True, prompt_positions=prompt_weight > 0)
     target_vocab = target.get_output_embeddings().weight.shape[0]
     synced = is_sharded(accelerator) and accelerator.num_processes > 1
     onpolicy_max_new = cfg.onpolicy.max_new_tokens or cfg.data.max_response_tokens
@@ -288,23 +294,39 @@ def run_distillation(cfg: DistillConfig) -> dict:
                                    temperature=cfg.onpolicy.temperature, max_new_tokens=onpolicy_max_new,
                                    eos_ids=eos_list, pad_id=pad_id, synced_gpus=synced,
                                    seed=cfg.train.seed * 1_000_003 + batch["batch_index"])
-        start = response_window(batch["loss_mask"])
-        keep = batch["input_ids"].shape[1] - start  # logits only from the first response position on
+        trained = batch["loss_mask"] | batch["prompt_mask"] if prompt_weight > 0 else batch["loss_mask"]
+        start = response_window(trained)
+        keep = batch["input_ids"].shape[1] - start  # logits only from the first trained position on
         mask = batch["loss_mask"][:, start:]
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
         student = model(**inputs, logits_to_keep=keep).logits
-        if cfg.loss.kind == "ce":
-            teacher = None
-        elif "topk_ids" in batch and not on:
-            teacher = topk_teacher_logits(batch["topk_ids"][:, start:], batch["topk_logprobs"][:, start:],
-                                          target_vocab)
+        stored = "topk_ids" in batch and not on
+        if stored and cfg.loss.kind == "forward_kl" and cfg.loss.temperature == 1.0:
+            # The same loss as on topk_teacher_logits, without building the [B, T, V] teacher.
+            ids, logprobs = batch["topk_ids"][:, start:], batch["topk_logprobs"][:, start:]
+            def divergence(m):
+                return topk_forward_kl(student[..., :target_vocab], ids, logprobs, m)
         else:
-            with torch.no_grad():
-                teacher = target(**inputs, logits_to_keep=keep).logits
-        loss = distill_loss(student, teacher, mask, kind=cfg.loss.kind, beta=cfg.loss.beta,
-                            temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size,
-                            labels=batch["labels"][:, start:] if cfg.loss.kind == "ce" else None)
-        return loss, {"onpolicy": float(on), "tokens": mask.sum()}
+            if cfg.loss.kind == "ce":
+                teacher = None
+            elif stored:
+                teacher = topk_teacher_logits(batch["topk_ids"][:, start:], batch["topk_logprobs"][:, start:],
+                                              target_vocab)
+            else:
+                with torch.no_grad():
+                    teacher = target(**inputs, logits_to_keep=keep).logits
+            labels = batch["labels"][:, start:] if cfg.loss.kind == "ce" else None
+            def divergence(m):
+                return distill_loss(student, teacher, m, kind=cfg.loss.kind, beta=cfg.loss.beta,
+                                    temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size, labels=labels)
+        loss = divergence(mask)
+        logs = {"onpolicy": float(on), "tokens": mask.sum()}
+        if prompt_weight > 0:
+            prompt_mask = batch["prompt_mask"][:, start:]
+            prompt_loss = divergence(prompt_mask)
+            loss = loss + prompt_weight * prompt_loss
+            logs |= {"prompt_loss": prompt_loss.detach(), "prompt_tokens": prompt_mask.sum()}
+        return loss, logs
 
     target_eos = eos_ids(target, tokenizer)
 

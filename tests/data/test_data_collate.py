@@ -90,3 +90,34 @@ def test_distill_collator_packs_dataset_rows():
     assert out.keys() == expected.keys()
     assert all(torch.equal(out[k], expected[k]) for k in out)
     assert out["input_ids"].shape == (2, 5)
+
+
+def test_prompt_positions_mark_the_prompt_and_take_its_topk():
+    ids, lps = [[20, 7], [21, 8]], [[-0.1, -2.0], [-0.2, -3.0]]
+    # The prompt's own rows: position t predicts prompt token t + 1.
+    p_ids, p_lps = [[11, 1], [12, 2], [13, 3]], [[-1.0, -1.5], [-2.0, -2.5], [-3.0, -3.5]]
+    ex = pack_example([10, 11, 12, 13], [20, 21], max_seq_len=100, topk_ids=ids, topk_logprobs=lps,
+                      prompt_topk_ids=p_ids, prompt_topk_logprobs=p_lps, prompt_positions=True)
+    assert ex["prompt_mask"] == [True, True, True, False, False, False]
+    assert ex["loss_mask"] == [False, False, False, True, True, False]
+    assert ex["topk_ids"] == [[11, 1], [12, 2], [13, 3], [20, 7], [21, 8], [0, 0]]
+    assert ex["topk_logprobs"][:3] == p_lps
+    # A prompt cut to its last tokens keeps the rows of the positions it kept.
+    cut = pack_example([10, 11, 12, 13], [20, 21], max_seq_len=3, topk_ids=ids, topk_logprobs=lps,
+                       prompt_topk_ids=p_ids, prompt_topk_logprobs=p_lps, prompt_positions=True)
+    assert cut["input_ids"] == [12, 13, 20]
+    assert cut["prompt_mask"] == [True, False, False]
+    assert cut["topk_ids"] == [[13, 3], [20, 7], [0, 0]]
+    with pytest.raises(ValueError, match="prompt_loss_weight"):
+        pack_example([10, 11], [20], 100, [[20, 1]], [[-0.1, -1.0]], prompt_positions=True)
+
+
+def test_collate_with_prompt_positions_labels_the_prompt_too():
+    batch = [pack_example([10, 11, 12], [20, 3], 100, prompt_positions=True),
+             pack_example([30], [40], 100, prompt_positions=True)]
+    out = collate(batch, pad_id=0, align_prompts=True)
+    assert out["input_ids"].tolist() == [[10, 11, 12, 20, 3], [0, 0, 30, 40, 0]]
+    assert out["prompt_mask"].tolist() == [[True, True, False, False, False], [False] * 5]
+    assert not (out["prompt_mask"] & out["loss_mask"]).any()
+    assert out["labels"].tolist() == [[11, 12, 20, 3, X], [X, X, 40, X, X]]
+    assert "prompt_mask" not in collate([pack_example([10, 11], [20], 100)], pad_id=0)

@@ -178,3 +178,25 @@ def test_pipeline_keeps_heldout_prompts_out_of_the_training_data(tiny_model, tin
     cfg.sources = []
     with pytest.raises(UserError, match="sources is empty"):
         prepare_distillation_data(cfg, tiny_model, tiny_tokenizer, target_path=str(tmp_path))
+
+
+def test_prompt_topk_is_the_targets_log_softmax_at_each_prompt_position(tiny_model, tiny_tokenizer, cfg, tmp_path):
+    cfg.store_topk, cfg.prompt_loss_weight = 3, 0.5
+    records = make_records()
+    ds = generate_responses(tiny_model, tiny_tokenizer, records, cfg, eos_token_id=EOS, target_fingerprint="fp")
+    assert {"prompt_topk_ids", "prompt_topk_logprobs"} <= set(ds.column_names)
+    for row in ds:
+        prompt = row["prompt_ids"]
+        ids, logprobs = torch.tensor(row["prompt_topk_ids"]), torch.tensor(row["prompt_topk_logprobs"], dtype=torch.float64)
+        assert len(row["prompt_topk_ids"]) == len(prompt) - 1
+        if len(prompt) == 1:
+            continue
+        with torch.no_grad():  # each prompt alone, unpadded: the batched, left-padded forward must agree
+            ref = tiny_model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        ref_values, ref_ids = ref.topk(3, dim=-1)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(logprobs, ref_values, rtol=1e-6, atol=1e-6)
+    # The prompt columns are part of the cache key: without them, the same settings are another entry.
+    plain = DataConfig(max_response_tokens=MAX_NEW, generation_batch_size=3, cache_dir=cfg.cache_dir, store_topk=3)
+    ds2 = generate_responses(tiny_model, tiny_tokenizer, records, plain, eos_token_id=EOS, target_fingerprint="fp")
+    assert "prompt_topk_ids" not in ds2.column_names

@@ -261,6 +261,7 @@ def test_head_topk_accuracy_against_a_position_by_position_count():
     (["eval.tree_depth=5"], "tree_depth"),
     (["eval.tree_nodes=-1"], "tree_nodes"),
     (["loss.kind=mse"], "loss.kind"),
+    (["data.prompt_loss_weight=0.5"], "prompt_loss_weight"),
 ])
 def test_bad_config_is_one_error_line(setup, tmp_path, capsys, overrides, needle):
     argv = ["--config", str(CONFIG), f"output_dir={tmp_path / 'run'}", f"target={setup / 'target'}",

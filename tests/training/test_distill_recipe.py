@@ -23,6 +23,7 @@ from drafttrain.training.common import response_window
 from drafttrain.training.distill import DistillConfig, onpolicy_batch, onpolicy_step, topk_teacher_logits
 
 EOS = 2  # tests/tiny.py: <|im_end|>
+VOCAB = 64  # tests/tiny.py: tiny_lm and tiny_tokenizer
 
 
 # ----------------------------------------------------------------------------- configs and errors
@@ -48,6 +49,7 @@ BAD_CONFIGS = {
     "bad layer spec": (["draft.path=null", "draft.from_target_layers=every:x"], "every:x"),
     "on-policy with ce": (["loss.kind=ce", "onpolicy.fraction=0.5"], "onpolicy.fraction"),
     "no held-out prompts": (["data.heldout_size=0"], "held-out"),
+    "negative prompt weight": (["data.prompt_loss_weight=-1"], "prompt_loss_weight must be >= 0"),
 }
 
 
@@ -344,3 +346,26 @@ def test_frozen_embeddings_stay_the_targets_while_the_layers_train(assets, tmp_p
         torch.testing.assert_close(after[name], target[name], rtol=0, atol=0)
     trained = [k for k in before if "layers" in k and not torch.equal(before[k], after[k])]
     assert trained, "no decoder-layer weight changed"
+
+
+def test_prompt_positions_add_their_weighted_loss_with_either_teacher(assets, tmp_path):
+    """Step 1's logged losses (before any update, on the same first batch): the stored top-k teacher
+    with k = vocabulary size is exact, so it must agree with the target run on the fly, and the
+    total must be the response-only loss plus weight x the prompt loss."""
+    def first_step(name, *overrides):
+        out = tmp_path / name
+        args = recipe_args(assets, out, "train.max_steps=1", "train.eval_every=0", "train.log_every=1",
+                           "train.keep_best=false", "eval.num_prompts=2", *overrides)
+        assert load_recipe().main(args) == 0
+        return next(json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()
+                    if json.loads(line)["type"] == "train")
+
+    stored = first_step("stored", "data.prompt_loss_weight=0.5", f"data.store_topk={VOCAB}")
+    live = first_step("live", "data.prompt_loss_weight=0.5")
+    response_only = first_step("response_only")
+    assert stored["prompt_tokens"] > 0 and stored["tokens"] > 0
+    assert stored["prompt_loss"] > 0
+    for key in ("loss", "prompt_loss", "prompt_tokens", "tokens"):
+        assert stored[key] == pytest.approx(live[key], rel=1e-5)
+    assert "prompt_loss" not in response_only
+    assert stored["loss"] == pytest.approx(response_only["loss"] + 0.5 * stored["prompt_loss"], rel=1e-5)
