@@ -153,6 +153,34 @@ def test_head_scores_of_uniform_attention_are_hand_computable():
     assert model.config._attn_implementation == "sdpa"  # the probe switches to eager and back
 
 
+def test_head_scores_equal_a_loop_over_the_attention_weights():
+    """A random model (heads differ): each score, per layer and head, from the attention weights
+    read one query at a time: previous token t - 1; in the repeat, the key just after the query
+    token's earlier copy (checked to hold the same token)."""
+    from drafttrain.draft_init import head_scores
+
+    model = tiny_llama(layers=2, seed=3)
+    L, B = 8, 2
+    prev, induction = head_scores(model, seq_len=L, batch=B, seed=5)
+    g = torch.Generator().manual_seed(5)  # the probe's own tokens, drawn the same way
+    half = torch.randint(96 // 10, 96, (B, L), generator=g)
+    ids = torch.cat([half, half], dim=1)
+    with torch.no_grad():
+        attentions = model(ids, output_attentions=True).attentions
+    for layer, a in enumerate(attentions):
+        for h in range(a.shape[1]):
+            p = [float(a[b, h, t, t - 1]) for b in range(B) for t in range(1, 2 * L)]
+            i = []
+            for b in range(B):
+                for q in range(L, 2 * L - 1):
+                    first = q - L  # the same position in the first copy holds the same token
+                    assert ids[b, first] == ids[b, q]
+                    i.append(float(a[b, h, q, first + 1]))
+            assert prev[layer, h].item() == pytest.approx(sum(p) / len(p), rel=1e-5)
+            assert induction[layer, h].item() == pytest.approx(sum(i) / len(i), rel=1e-5)
+    assert len(set(prev.flatten().tolist())) > 1  # heads really differ: the check is per head
+
+
 def fake_scores(prev_by_layer, induction_by_layer):
     prev = torch.tensor(prev_by_layer)[:, None].repeat(1, 4)
     induction = torch.tensor(induction_by_layer)[:, None].repeat(1, 4)

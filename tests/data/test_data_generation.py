@@ -180,7 +180,7 @@ def test_pipeline_keeps_heldout_prompts_out_of_the_training_data(tiny_model, tin
         prepare_distillation_data(cfg, tiny_model, tiny_tokenizer, target_path=str(tmp_path))
 
 
-def test_prompt_topk_is_the_targets_log_softmax_at_each_prompt_position(tiny_model, tiny_tokenizer, cfg, tmp_path):
+def test_prompt_topk_is_the_targets_log_softmax_at_each_prompt_position(tiny_model, tiny_tokenizer, cfg):
     cfg.store_topk, cfg.prompt_loss_weight = 3, 0.5
     records = make_records()
     ds = generate_responses(tiny_model, tiny_tokenizer, records, cfg, eos_token_id=EOS, target_fingerprint="fp")
