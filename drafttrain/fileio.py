@@ -10,6 +10,31 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from .errors import UserError
+
+
+def check_output_dir(path: str | os.PathLike, what: str = "output directory") -> Path:
+    """Refuse, before any model loads, an output path that cannot become a writable directory:
+    one that is a file, sits under a file, or lies in a directory we may not write to."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {str(path)!r} is a file; pass a directory path")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{what} {str(path)!r} lies under {str(existing)!r}, which is a file; pass a directory path")
+    try:  # try it: permission bits say nothing for root, or on a read-only file system
+        fd, probe = tempfile.mkstemp(prefix=".drafttrain-write-test.", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{what} {str(path)!r} is not writable ({e.strerror} in {str(existing)!r}); "
+                        "pass a directory you can write to") from e
+    return path
+
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)

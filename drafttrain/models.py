@@ -59,16 +59,42 @@ def load_tokenizer(path: str, what: str = "model"):
                         "pass a directory with tokenizer files") from e
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_model_files(path: str, what: str) -> None:
+    """A local model directory needs config.json and a weights file: say which is missing."""
+    root = Path(path)
+    if not root.is_dir():
+        return  # a hub id
+    if not (root / "config.json").is_file():
+        raise UserError(f"{what} {path!r} has no config.json; pass a model directory saved with save_pretrained")
+    if not any((root / name).is_file() for name in WEIGHT_FILES):
+        raise UserError(f"{what} {path!r} has no weights (model.safetensors); pass a complete model directory "
+                        "or export the model again")
+
+
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, what: str = "model"):
+    """A causal LM in eval mode, or one `UserError` line for anything that stops it loading: a
+    missing or damaged file, an unknown architecture, or weights that are not finite."""
     from transformers import AutoModelForCausalLM
 
     check_model_path(path, what)
+    check_model_files(path, what)
     try:
         with quiet_progress_bars():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load the {what} from {path!r} ({first_line(e)}); "
                         "pass a directory with config.json and weights") from e
+    except Exception as e:  # safetensors' SafetensorError (truncated, empty or garbled file) and the like
+        raise UserError(f"cannot load the {what} from {path!r}: its weights file is damaged ({first_line(e)}); "
+                        "export or download the model again") from e
+    bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise UserError(f"the {what} at {path!r} has non-finite weights (NaN or inf in {bad}); the file is damaged: "
+                        "export or download the model again")
     return model.to(device).eval()
 
 

@@ -45,7 +45,7 @@ from ..heads.tree import (
 )
 from .cache import CachedLM
 from .sampling import probabilities, sample, verify_sampled
-from .speculative import Generation
+from .speculative import Generation, counted_proposals, trim_at_eos
 
 MASKABLE_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
 
@@ -181,14 +181,10 @@ class MedusaDecoder:
                 accepted, bonus, hidden = self._greedy_step(pending, hidden, self._tree(depth))
             else:
                 accepted, bonus, hidden = self._sampled_step(pending, hidden, depth)
-            emitted = accepted + [bonus]
-            for i, token in enumerate(emitted):  # stop at the first EOS, included
-                if token in self.eos:
-                    emitted = emitted[:i + 1]
-                    break
+            emitted = trim_at_eos(accepted + [bonus], self.eos)
             out.tokens.extend(emitted)
             out.accepted_lengths.append(min(len(accepted), len(emitted)))
-            out.proposed_lengths.append(depth)
+            out.proposed_lengths.append(counted_proposals(depth, emitted, self.eos))
             out.step_tokens.append(len(emitted))
             out.step_seconds.append(time.perf_counter() - step_start)
             if emitted[-1] in self.eos:

@@ -88,3 +88,40 @@ def test_ngram_lookup_continues_latest_match():
     assert ngram_lookup([7, 8, 9], 2) == []
     assert ngram_lookup([5, 6, 5], 2, max_ngram=3) == [6, 5]
     assert ngram_lookup(seq, 0) == []
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_self_draft_acceptance_is_one_when_eos_ends_the_text(target, k):
+    """Drafts proposed past the EOS that ended the generation are not counted as proposed."""
+    prompt = PROMPTS[0]
+    free = reference(target, prompt, 30)
+    for eos in {free[2], free[6], free[9]}:
+        decoder = SpeculativeDecoder(target, DraftModelProposer(target, 64, 0.0, 1.0, None), num_draft_tokens=k,
+                                     eos_token_ids={eos})
+        gen = decoder.generate(prompt, 30)
+        assert gen.tokens == reference(target, prompt, 30, eos=eos)
+        assert sum(gen.accepted_lengths) == sum(gen.proposed_lengths)
+
+
+def test_counted_proposals_by_hand():
+    from drafttrain.decoding.speculative import counted_proposals
+
+    eos = {9}
+    assert counted_proposals(4, [1, 2, 3, 4, 5], eos) == 4  # no EOS: all count
+    assert counted_proposals(4, [1, 9], eos) == 2            # EOS accepted as draft 2: drafts 3, 4 past the end
+    assert counted_proposals(4, [9], eos) == 1               # the target's EOS rejected draft 1
+    assert counted_proposals(0, [9], eos) == 0               # plain decoding proposes nothing
+
+
+def test_recorded_margins_are_the_targets_top2_gap(target):
+    """Each emitted token's margin equals top-1 minus top-2 of a full forward over its prefix."""
+    prompt = PROMPTS[2]
+    decoder = SpeculativeDecoder(target, NgramProposer(CPU), num_draft_tokens=3, record_margins=True)
+    gen = decoder.generate(prompt, 14)
+    assert len(gen.margins) == len(gen.tokens) == 14
+    for i in range(len(gen.tokens)):
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + gen.tokens[:i]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        assert gen.margins[i] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
+    assert SpeculativeDecoder(target, NoProposer(CPU), num_draft_tokens=3).generate(prompt, 4).margins is None

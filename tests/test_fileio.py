@@ -1,0 +1,32 @@
+"""Output paths are checked before any work: a file, a path under a file, or an unwritable place."""
+
+import tempfile
+
+import pytest
+
+from drafttrain.errors import UserError
+from drafttrain.fileio import check_output_dir
+
+
+def test_new_and_existing_directories_pass(tmp_path):
+    assert check_output_dir(tmp_path / "a" / "b") == tmp_path / "a" / "b"
+    assert check_output_dir(tmp_path) == tmp_path
+    assert not (tmp_path / "a").exists()  # checking creates nothing
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        check_output_dir(tmp_path / "f")
+    with pytest.raises(UserError, match="lies under .* which is a file"):
+        check_output_dir(tmp_path / "f" / "sub" / "dir")
+
+
+def test_an_unwritable_place_is_refused(tmp_path, monkeypatch):
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    with pytest.raises(UserError, match="not writable .Permission denied"):
+        check_output_dir(tmp_path / "out")
