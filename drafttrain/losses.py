@@ -6,6 +6,10 @@ probability sum_v min(p_v, q_v) = 1 - TVD(p, q). DistillSpec (Zhou et al., 2023)
 (Agarwal et al., 2024) found that the best divergence depends on task and decoding strategy,
 so all the usual ones live here behind one entry point, `distill_loss`.
 
+The teacher is either the target's logits, computed on the fly, or its top-k log-probs stored
+with the training data (`TopKTeacher`, offline distillation): `distill_loss` takes either and
+picks the cheapest exact computation (the sparse forward KL needs no [.., V] teacher at all).
+
 Conventions, shared by every loss:
 
 - Logits are `[B, T, V]` (any leading shape works), and position t predicts token t + 1:
@@ -23,6 +27,7 @@ Conventions, shared by every loss:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +165,43 @@ def topk_forward_kl(
     return (neg_entropy - cross).mean()
 
 
+def topk_teacher_logits(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary teacher logits [..., V] from the target's stored top-k log-probs [..., k].
+
+    An approximation of the target: its k most likely tokens keep their exact probabilities and
+    the remaining mass 1 - sum(top-k) is spread evenly over the other V - k tokens (stored
+    log-probs are at temperature 1, so a loss temperature applies to this reconstruction). Every
+    token keeps some probability, so reverse KL, JSD and TVD stay finite, and forward KL differs
+    from the exact one only in how the (small) tail is shaped.
+    """
+    k = topk_ids.shape[-1]
+    logprobs = topk_logprobs.float()
+    if k >= vocab_size:
+        rest = torch.full_like(logprobs[..., :1], -1e4)
+    else:
+        tail = (1.0 - logprobs.exp().sum(-1, keepdim=True)).clamp_min(1e-12)
+        rest = tail.log() - math.log(vocab_size - k)
+    out = rest.expand(*logprobs.shape[:-1], vocab_size).clone()
+    return out.scatter_(-1, topk_ids.long().clamp(0, vocab_size - 1), logprobs)
+
+
+@dataclass
+class TopKTeacher:
+    """The target's stored top-k log-probs as a teacher: `ids` / `logprobs` [..., k] (the leading
+    shape of the student's logits), over a vocabulary of `vocab_size` tokens (the target's)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    vocab_size: int
+    _dense: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def dense_logits(self) -> torch.Tensor:
+        """`topk_teacher_logits`, built once however many masks a loss is taken over."""
+        if self._dense is None:
+            self._dense = topk_teacher_logits(self.ids, self.logprobs, self.vocab_size)
+        return self._dense
+
+
 def acceptance_probability(p_probs: torch.Tensor, q_probs: torch.Tensor) -> torch.Tensor:
     """Probability that speculative sampling accepts a token drawn from q when the target is p.
 
@@ -172,7 +214,7 @@ def acceptance_probability(p_probs: torch.Tensor, q_probs: torch.Tensor) -> torc
 
 def distill_loss(
     student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor | None,
+    teacher_logits: torch.Tensor | TopKTeacher | None,
     mask: torch.Tensor,
     *,
     kind: str,
@@ -182,6 +224,11 @@ def distill_loss(
     labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over masked positions of `per_token_divergence(kind)`; a scalar with grad.
+
+    THE entry point for every distillation loss. The teacher is the target's logits, or a
+    `TopKTeacher`: with forward KL at temperature 1 that is `topk_forward_kl` (exact, and it
+    never builds the teacher's [.., V] tensor); any other loss runs on
+    `TopKTeacher.dense_logits()`. `ce` ignores the teacher.
 
     `student_logits` and `teacher_logits` are `[..., Vs]` and `[..., Vt]` with the same
     leading shape as `mask`; both are cut to `min(Vs, Vt)` entries (for `ce` with no teacher,
@@ -196,6 +243,11 @@ def distill_loss(
     a zero that is still attached to `student_logits` (every DDP rank must run backward).
     """
     _check_args(kind, beta, temperature)
+    if isinstance(teacher_logits, TopKTeacher):
+        stored = teacher_logits
+        if kind == "forward_kl" and temperature == 1.0:
+            return topk_forward_kl(student_logits[..., :stored.vocab_size], stored.ids, stored.logprobs, mask)
+        teacher_logits = None if kind == "ce" else stored.dense_logits()
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if mask.shape != student_logits.shape[:-1]:

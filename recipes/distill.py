@@ -1,19 +1,286 @@
-"""Distill a draft model from a target (SPEC section 4).
+"""Distill a draft model from a target (SPEC §4): a small LM learns to say what the target would.
 
-    accelerate launch recipes/distill.py --config recipes/configs/NAME.yaml [key=value ...]
+    accelerate launch recipes/distill.py --config recipes/configs/NAME.yaml [--overwrite] [key=value ...]
     python recipes/distill.py --config recipes/configs/NAME.yaml [key=value ...]
 
 `--help` lists every config key. Bad input prints one `error:` line and exits with status 2.
+
+The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.run`):
+
+1. Load the target, frozen, and the draft: an existing small model of the target's family, or a
+   copy of a subset of the target's own layers (`draft.from_target_layers`, e.g. copy:6).
+   They must speak the same tokens; that is checked before anything is written.
+2. Export the untrained draft to `initial/` (the baseline of the model card).
+3. The target answers the training prompts itself (cached): a draft that imitates the target's
+   own outputs is accepted far more often than one trained on someone else's text.
+4. Train (DistillSpec, Zhou et al. 2023): per response token, a divergence between the target's
+   next-token distribution and the draft's - computed on the fly from the same batch, or read
+   from the target's stored top-k (`data.store_topk`) - optionally on the prompt's positions
+   too, and on a fraction of steps on continuations the current draft samples itself (GKD,
+   Agarwal et al. 2024) so it also learns on the text it actually proposes.
+5. Measure what matters: greedy speculative decoding of held-out prompts with drafttrain's own
+   decoder. Its mean accepted length tau picks the exported weights, not the loss.
+6. Export the best draft to `final/` (SPEC §3) with its acceptance table.
 """
 
-import sys
+from __future__ import annotations
 
-from drafttrain.training.common import recipe_main
-from drafttrain.training.distill import DistillConfig, run_distillation
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from drafttrain.config import documented
+from drafttrain.data import DataConfig, onpolicy_batch, onpolicy_step, response_window
+from drafttrain.data.collate import DistillCollator
+from drafttrain.decoding import DraftModelProposer, SpeculativeDecoder
+from drafttrain.decoding.defaults import NUM_DRAFT_TOKENS
+from drafttrain.draft_init import draft_from_target
+from drafttrain.errors import UserError
+from drafttrain.export import export_draft
+from drafttrain.home import expand_vars
+from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
+from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
+from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
+from drafttrain.tokens import output_vocab_size
+from drafttrain.training.distributed import is_sharded
+from drafttrain.training.heldout import greedy_acceptance, table_row
+from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
+
+LossKind = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
+assert set(typing.get_args(LossKind)) == set(LOSSES), "LossKind must list drafttrain.losses.LOSSES"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class DraftConfig:
+    path: str | None = documented(
+        None, doc="An existing small model of the target's family (same tokenizer): a directory or hub id.")
+    from_target_layers: str | None = documented(
+        None, doc="Or build the draft from a subset of the target's decoder layers: every:N, first:N, a list "
+                  "like 0,4,8, or copy:N (N layers that keep the target's copying circuit - its strongest "
+                  "induction head and the previous-token head feeding it - whole). Embeddings, final norm and "
+                  "LM head are copied too.")
+    freeze_embeddings: bool = documented(
+        False, doc="Keep the draft's input embeddings and LM head fixed (the target's, when built from its layers): "
+                   "a same-family draft already shares them, and the step gets cheaper.")
+
+
+@dataclass
+class LossConfig:
+    kind: LossKind = documented(
+        "forward_kl", doc="Divergence between target (p) and draft (q): forward_kl KL(p||q), reverse_kl KL(q||p), "
+                          "jsd (generalised Jensen-Shannon, see beta), tvd (total variation: 1 - TVD is the "
+                          "acceptance probability), ce (cross-entropy on the target's tokens only).")
+    beta: float = documented(0.5, doc="jsd only: the mixture weight, sliding from KL(p||q) (near 0) to KL(q||p) (near 1).")
+    temperature: float = documented(1.0, doc="Both distributions are softened by this temperature before the loss.")
+    chunk_size: int = documented(
+        1024, doc="Token positions per chunk of the float32 softmaxes (bounds the loss's peak memory).")
+
+
+@dataclass
+class OnPolicyConfig:
+    fraction: float = documented(
+        0.0, doc="Fraction of optimizer steps (lambda in GKD) whose batches are continuations sampled from the "
+                 "current draft for the batch's prompts, scored by the target on the fly; 0: off.")
+    temperature: float = documented(1.0, doc="Sampling temperature of the draft's continuations (0: greedy).")
+    max_new_tokens: int | None = documented(
+        None, doc="Longest on-policy continuation; default data.max_response_tokens.")
+
+
+@dataclass
+class DistillEvalConfig(RecipeEvalConfig):
+    num_prompts: int = documented(32, doc="Held-out prompts decoded at each evaluation (the first ones).")
+    num_draft_tokens: int = documented(
+        NUM_DRAFT_TOKENS, doc="K: draft tokens proposed per target verification step (the default K of `drafttrain eval`).")
+
+
+@dataclass
+class DistillConfig(RecipeConfig):
+    output_dir: str = documented(
+        doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, initial/ and final/ "
+            "drafts, eval/. Started again with the same directory and config, the run resumes; with another "
+            "config it is refused (--overwrite starts over).")
+    data: DataConfig = documented(
+        default_factory=DataConfig,
+        doc="Prompts and the target's answers to them. With data.store_topk > 0 the loss reads the target's "
+            "stored top-k log-probs instead of running the target (an approximation: the rest of the "
+            "probability mass is spread evenly over the other tokens); on-policy batches always run it.")
+    eval: DistillEvalConfig = documented(
+        default_factory=DistillEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+    draft: DraftConfig = documented(default_factory=DraftConfig, doc="Where the draft starts from (give one).")
+    loss: LossConfig = documented(default_factory=LossConfig, doc="The distillation loss.")
+    onpolicy: OnPolicyConfig = documented(default_factory=OnPolicyConfig, doc="On-policy (GKD) batches.")
+
+    def validate(self) -> None:
+        super().validate()
+        if (self.draft.path is None) == (self.draft.from_target_layers is None):
+            raise UserError("give exactly one of draft.path (an existing small model) and draft.from_target_layers "
+                            "(e.g. every:5)" + (" - both are set" if self.draft.path else ""))
+        if self.draft.path is not None:
+            self.draft.path = expand_vars(self.draft.path, "draft.path")
+            check_model_path(self.draft.path, "draft")
+
+        if self.loss.kind not in LOSSES:
+            raise UserError(f"loss.kind {self.loss.kind!r} is unknown; use one of {', '.join(LOSSES)}")
+        if not 0.0 <= self.loss.beta <= 1.0:
+            raise UserError(f"loss.beta must be in [0, 1], got {self.loss.beta}")
+        if not self.loss.temperature > 0:
+            raise UserError(f"loss.temperature must be > 0, got {self.loss.temperature}")
+        if self.loss.chunk_size < 1:
+            raise UserError(f"loss.chunk_size must be >= 1, got {self.loss.chunk_size}")
+
+        if not 0.0 <= self.onpolicy.fraction <= 1.0:
+            raise UserError(f"onpolicy.fraction must be in [0, 1], got {self.onpolicy.fraction}")
+        if self.onpolicy.temperature < 0:
+            raise UserError(f"onpolicy.temperature must be >= 0 (0 = greedy), got {self.onpolicy.temperature}")
+        if self.onpolicy.max_new_tokens is not None and self.onpolicy.max_new_tokens < 1:
+            raise UserError(f"onpolicy.max_new_tokens must be >= 1, got {self.onpolicy.max_new_tokens}")
+        if self.onpolicy.fraction > 0 and self.loss.kind == "ce":
+            raise UserError("onpolicy.fraction > 0 needs the target's distribution, but loss.kind=ce only uses its "
+                            "tokens; pick forward_kl, reverse_kl, jsd or tvd, or set onpolicy.fraction=0")
+        if self.eval.num_draft_tokens < 1:
+            raise UserError(f"eval.num_draft_tokens must be >= 1, got {self.eval.num_draft_tokens}")
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+class DistillRecipe(Recipe):
+    config_class = DistillConfig
+    script = "recipes/distill.py"
+    drafter_name = "draft"
+    run_entries = frozenset({"initial"})
+    config: DistillConfig
+
+    def load_models(self) -> None:
+        """(tokenizer, target, draft), checked to be usable together."""
+        cfg = self.config
+        tokenizer = load_tokenizer(cfg.target, "target")
+        draft_tok = load_tokenizer(cfg.draft.path, "draft") if cfg.draft.path else tokenizer
+        if cfg.draft.path:  # the cheap check first: a foreign vocabulary fails before any weights load
+            diff = first_vocab_difference(tokenizer.get_vocab(), draft_tok.get_vocab())
+            if diff:
+                raise UserError(f"draft and target disagree (token-to-id map): {diff}; "
+                                "use a draft trained with the target's tokenizer")
+        target = load_causal_lm(cfg.target, resolve_dtype(cfg.target_dtype, self.device), self.device, "target")
+        target.requires_grad_(False)
+        if cfg.draft.path:
+            draft = load_causal_lm(cfg.draft.path, torch.float32, self.device, "draft")
+        else:
+            draft = draft_from_target(target, cfg.draft.from_target_layers).to(torch.float32)
+        require_compatible(compatibility_checks(target, tokenizer, draft, draft_tok))
+        draft.requires_grad_(True)
+        if cfg.draft.freeze_embeddings:
+            draft.get_input_embeddings().requires_grad_(False)
+            draft.get_output_embeddings().requires_grad_(False)
+        draft.train()
+        self.tokenizer, self.target, self.draft = tokenizer, target, draft
+        self.target_vocab = output_vocab_size(target)
+
+    def describe(self) -> str:
+        layers = getattr(self.draft, "source_layers", None)
+        return f"draft: the target's layers {layers}" if layers is not None else ""
+
+    def save_initial(self) -> None:
+        """The draft before training, exported like the final one: the model card's baseline."""
+        if not (self.out / "initial").is_dir():
+            export_draft(self.draft, self.tokenizer, self.out / "initial", eos_token_id=self.export_eos,
+                         base_info={**self.card_info, "stage": "initial (before distillation)"})
+
+    def build_trainable(self) -> torch.nn.Module:
+        return self.draft
+
+    def make_collator(self) -> DistillCollator:
+        """Prompts aligned (one block of trained positions); prompt positions too when they are trained."""
+        data = self.config.data
+        return DistillCollator(data.max_seq_len, self.pad_id, align_prompts=True,
+                               prompt_positions=data.prompt_loss_weight > 0)
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        cfg = self.config
+        on = onpolicy_step(cfg.onpolicy.fraction, cfg.train.seed, batch["step"])
+        if on:
+            batch = onpolicy_batch(self.accelerator.unwrap_model(model), batch, self.collator,
+                                   temperature=cfg.onpolicy.temperature,
+                                   max_new_tokens=cfg.onpolicy.max_new_tokens or cfg.data.max_response_tokens,
+                                   eos_ids=self.eos_ids, pad_id=self.pad_id,
+                                   synced_gpus=is_sharded(self.accelerator) and self.accelerator.num_processes > 1,
+                                   seed=cfg.train.seed * 1_000_003 + batch["batch_index"])
+        prompt_weight = cfg.data.prompt_loss_weight
+        trained = batch["loss_mask"] | batch["prompt_mask"] if prompt_weight > 0 else batch["loss_mask"]
+        start = response_window(trained)
+        keep = batch["input_ids"].shape[1] - start  # logits only from the first trained position on
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        student = model(**inputs, logits_to_keep=keep).logits
+        teacher = self.teacher(batch, inputs, start, keep, onpolicy=on)
+        labels = batch["labels"][:, start:] if cfg.loss.kind == "ce" else None
+
+        def divergence(mask):
+            return distill_loss(student, teacher, mask, kind=cfg.loss.kind, beta=cfg.loss.beta,
+                                temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size, labels=labels)
+
+        mask = batch["loss_mask"][:, start:]
+        loss = divergence(mask)
+        logs = {"onpolicy": float(on), "tokens": mask.sum()}
+        if prompt_weight > 0:
+            prompt_mask = batch["prompt_mask"][:, start:]
+            prompt_loss = divergence(prompt_mask)
+            loss = loss + prompt_weight * prompt_loss
+            logs |= {"prompt_loss": prompt_loss.detach(), "prompt_tokens": prompt_mask.sum()}
+        return loss, logs
+
+    def teacher(self, batch: dict, inputs: dict, start: int, keep: int, onpolicy: bool):
+        """The target's side of the loss: nothing for ce, its stored top-k when the batch carries
+        it (not on-policy batches: the draft wrote those), else its logits, computed now."""
+        if self.config.loss.kind == "ce":
+            return None
+        if "topk_ids" in batch and not onpolicy:
+            return TopKTeacher(batch["topk_ids"][:, start:], batch["topk_logprobs"][:, start:], self.target_vocab)
+        with torch.no_grad():
+            return self.target(**inputs, logits_to_keep=keep).logits
+
+    def evaluate(self, model) -> dict:
+        return acceptance(self.target, model, self.prompts, num_draft_tokens=self.config.eval.num_draft_tokens,
+                          max_new_tokens=self.config.eval.max_new_tokens, eos_token_ids=set(self.eos_ids))
+
+    def export(self, result, initial: dict, final: dict) -> dict:
+        cfg = self.config
+        rows = [table_row("initial (before training)", initial), table_row(f"final (step {result.best_step})", final)]
+        chosen = "best held-out tau" if cfg.train.keep_best else "last"
+        export_draft(result.model.to(DTYPES[cfg.export_dtype]), self.tokenizer, self.out / "final",
+                     eos_token_id=self.export_eos, acceptance_table=rows,
+                     base_info={**self.card_info, "loss": cfg.loss.kind, "training steps": result.step,
+                                "exported weights": f"step {result.best_step} ({chosen})",
+                                "held-out prompts": len(self.prompts)})
+        return {}
+
+    @property
+    def export_eos(self) -> int | list[int]:
+        return self.eos_ids[0] if len(self.eos_ids) == 1 else self.eos_ids
+
+    @property
+    def card_info(self) -> dict:
+        cfg = self.config
+        source = cfg.draft.path or (f"the target's layers {cfg.draft.from_target_layers} = "
+                                    f"{getattr(self.draft, 'source_layers', '?')}")
+        return {"target": cfg.target, "draft initialised from": source, "recipe": f"drafttrain {self.script}"}
+
+
+def acceptance(target, draft, prompts, *, num_draft_tokens: int, max_new_tokens: int, eos_token_ids: set[int]) -> dict:
+    """Greedy speculative decoding of `prompts` with drafttrain's own decoder: tau and acceptance."""
+    proposer = DraftModelProposer(draft, output_vocab_size(target), temperature=0.0, top_p=1.0, generator=None)
+    decoder = SpeculativeDecoder(target, proposer, num_draft_tokens=num_draft_tokens, temperature=0.0,
+                                 eos_token_ids=eos_token_ids)
+    return greedy_acceptance(decoder, prompts, max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return recipe_main(DistillConfig, run_distillation, argv, prog="recipes/distill.py")
+    return recipe_main(DistillRecipe, argv)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,380 @@
-"""Train Medusa heads on a target (SPEC section 4): Medusa-1, or Medusa-2 with lora.enabled=true.
+"""Train Medusa heads on a target (SPEC §4): Medusa-1, or Medusa-2 with lora.enabled=true.
 
-    accelerate launch recipes/train_heads.py --config recipes/configs/NAME.yaml [key=value ...]
+    accelerate launch recipes/train_heads.py --config recipes/configs/NAME.yaml [--overwrite] [key=value ...]
     python recipes/train_heads.py --config recipes/configs/NAME.yaml [key=value ...]
 
 `--help` lists every config key. Bad input prints one `error:` line and exits with status 2.
+
+The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.run`):
+
+1. Load the target and put fresh heads on it (each a copy of the target's LM head behind
+   residual blocks that start as the identity). The heads must read the state the LM head
+   reads, which is checked first.
+2. The target answers the training prompts itself (the distillation data pipeline, cached).
+3. Train. Medusa-1 (`lora.enabled=false`): the target is frozen and runs outside the trained
+   module (its hidden states and logits are inputs), only the heads train, so they work with the
+   unchanged target. Medusa-2 (`lora.enabled=true`, Cai et al. 2024 section 2.3.2): LoRA adapters
+   on the target train jointly with the heads, while a language-model loss keeps the adapted
+   target's outputs close to the original's. The loss and the alignment of head i with token
+   t + 2 + i are `drafttrain.heads.loss`.
+4. Measure what matters: greedy Medusa tree decoding of held-out prompts; tau picks the exported
+   weights. After training, the heads' top-k accuracy on those prompts shapes a calibrated tree.
+5. Export the heads in vLLM's Medusa format to `final/` (SPEC §3), with the calibrated tree; for
+   Medusa-2 the verifier is the ADAPTED target, exported merged to `final/target/`.
 """
 
-import sys
+from __future__ import annotations
 
-from drafttrain.heads.train import HeadsConfig, run_heads_training
-from drafttrain.training.common import recipe_main
+import copy
+import importlib.util
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from drafttrain.config import documented
+from drafttrain.data import response_window
+from drafttrain.decoding.medusa import MedusaDecoder
+from drafttrain.errors import UserError
+from drafttrain.export import render_acceptance_table
+from drafttrain.fileio import atomic_dir
+from drafttrain.heads.calibrate import head_topk_accuracy
+from drafttrain.heads.export import save_medusa
+from drafttrain.heads.loss import HeadsObjective, JointObjective
+from drafttrain.heads.model import MedusaHeads
+from drafttrain.heads.tree import default_tree, tree_from_accuracies
+from drafttrain.models import DTYPES, load_causal_lm, load_tokenizer, resolve_dtype
+from drafttrain.tokens import output_vocab_size
+from drafttrain.training.heldout import EvalPrompt, greedy_acceptance, table_row
+from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class HeadsArchConfig:
+    num_heads: int = documented(
+        4, doc="Medusa heads. Head i (0-based) reads the target's last hidden state at position t and predicts "
+               "the token at t + 2 + i (the target itself predicts t + 1).")
+    num_layers: int = documented(
+        1, doc="Residual blocks h + SiLU(W h + b) per head (vLLM's num_hidden_layers); they start as the identity.")
+    train_lm_heads: bool = documented(
+        True, doc="Train each head's own LM head (vocab x hidden, initialised from the target's). false: only the "
+                  "residual blocks train (hidden^2 parameters per block): much cheaper, the option for CPU.")
+
+
+@dataclass
+class HeadsLossConfig:
+    kind: Literal["kl", "ce"] = documented(
+        "kl", doc="kl: self-distillation, KL(target || head) from the target's own distribution for the head's "
+                  "token (its logits at t + 1 + i); ce: cross-entropy on the target-generated token t + 2 + i.")
+    decay: float = documented(
+        0.8, doc="Head i's loss is weighted decay^i (a later head's token is only used when every earlier one "
+                 "was accepted); the weights are normalised to sum to 1.")
+    chunk_size: int = documented(
+        1024, doc="Token positions per chunk of the float32 softmaxes (bounds the loss's peak memory).")
+
+
+@dataclass
+class HeadsLoraConfig:
+    enabled: bool = documented(
+        False, doc="false: Medusa-1, the target is frozen and only the heads train. true: Medusa-2, LoRA adapters "
+                   "on the target (peft, `pip install 'drafttrain[heads]'`) train jointly with the heads; the "
+                   "verifier becomes the adapted target, exported merged to final/target/.")
+    r: int = documented(8, doc="LoRA rank.")
+    alpha: float = documented(16.0, doc="LoRA alpha (the update is scaled by alpha / r).")
+    dropout: float = documented(0.05, doc="Dropout on the LoRA branch's input during training.")
+    target_modules: list[str] = documented(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        doc="Names of the target's linear layers that get adapters (default: the attention projections of "
+            "Llama/Qwen/Mistral-style models; add gate_proj, up_proj, down_proj for the MLPs).")
+    lm_loss: Literal["kl", "ce"] = documented(
+        "kl", doc="What keeps the adapted target's outputs close to the original's: kl = KL(original || adapted) "
+                  "of the next-token distributions at response positions (the original's logits come from a "
+                  "second forward with the adapters disabled); ce = cross-entropy on the target-generated tokens "
+                  "(no second forward, but it only holds on to the greedy tokens, not the distribution).")
+    lm_loss_weight: float = documented(
+        1.0, doc="Weight of that language-model loss; the heads' loss has weight 1.")
+    heads_warmup_steps: int = documented(
+        0, doc="For the first N optimizer steps the heads' loss does not reach the adapters (Medusa-2's "
+               "warm-up: fresh heads settle before they pull on the target).")
+
+
+@dataclass
+class HeadsEvalConfig(RecipeEvalConfig):
+    tree_depth: int | None = documented(
+        None, doc="Depth of the candidate tree (drafttrain's default Medusa tree cut to this depth, the same "
+                  "tree `drafttrain eval --heads` uses with --num-draft-tokens set to it); default: num_heads.")
+    tree_nodes: int = documented(
+        22, doc="After training, the heads' top-k accuracy is measured on the held-out prompts and the tree with "
+                "this many nodes (besides the root) and the largest expected acceptance is stored with them; "
+                "`drafttrain eval --tree auto` (the default) uses it. 0: no calibration, keep the default tree.")
+    calibration_topk: int = documented(8, doc="Top-k choices per head considered for the calibrated tree.")
+
+
+@dataclass
+class HeadsConfig(RecipeConfig):
+    output_dir: str = documented(
+        doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/ (heads in "
+            "vLLM's format; Medusa-2 also final/target/), eval/. Started again with the same directory and config, "
+            "the run resumes; with another config it is refused (--overwrite starts over).")
+    eval: HeadsEvalConfig = documented(
+        default_factory=HeadsEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+    heads: HeadsArchConfig = documented(default_factory=HeadsArchConfig, doc="The heads' shape and what trains.")
+    loss: HeadsLossConfig = documented(default_factory=HeadsLossConfig, doc="The heads' loss.")
+    lora: HeadsLoraConfig = documented(default_factory=HeadsLoraConfig, doc="Medusa-2: LoRA on the target.")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.data.prompt_loss_weight:
+            raise UserError("data.prompt_loss_weight is a distillation setting; heads train on response positions "
+                            "only, so set data.prompt_loss_weight=0")
+        if self.heads.num_heads < 1:
+            raise UserError(f"heads.num_heads must be >= 1, got {self.heads.num_heads}")
+        if self.heads.num_layers < 0:
+            raise UserError(f"heads.num_layers must be >= 0, got {self.heads.num_layers}")
+        if self.heads.num_layers == 0 and not self.heads.train_lm_heads:
+            raise UserError("with heads.num_layers=0 and heads.train_lm_heads=false nothing would train; "
+                            "set heads.num_layers >= 1 or heads.train_lm_heads=true")
+        if not 0.0 < self.loss.decay <= 1.0:
+            raise UserError(f"loss.decay must be in (0, 1], got {self.loss.decay}")
+        if self.loss.chunk_size < 1:
+            raise UserError(f"loss.chunk_size must be >= 1, got {self.loss.chunk_size}")
+        self._validate_lora()
+        if self.eval.tree_nodes < 0:
+            raise UserError(f"eval.tree_nodes must be >= 0 (0 = no calibrated tree), got {self.eval.tree_nodes}")
+        if self.eval.calibration_topk < 1:
+            raise UserError(f"eval.calibration_topk must be >= 1, got {self.eval.calibration_topk}")
+        if self.eval.tree_depth is not None and not 1 <= self.eval.tree_depth <= self.heads.num_heads:
+            raise UserError(f"eval.tree_depth must be between 1 and heads.num_heads ({self.heads.num_heads}), "
+                            f"got {self.eval.tree_depth}")
+
+    def _validate_lora(self) -> None:
+        lora = self.lora
+        if not lora.enabled:
+            default = HeadsLoraConfig()
+            changed = [f.name for f in fields(lora) if getattr(lora, f.name) != getattr(default, f.name)]
+            if changed:
+                raise UserError(f"lora.{changed[0]} is set but lora.enabled is false (Medusa-1 trains no adapters); "
+                                "set lora.enabled=true for Medusa-2 or drop the lora options")
+            return
+        if importlib.util.find_spec("peft") is None:
+            raise UserError("lora.enabled=true (Medusa-2) needs the peft package; pip install 'drafttrain[heads]'")
+        if lora.r < 1:
+            raise UserError(f"lora.r must be >= 1, got {lora.r}")
+        if not lora.alpha > 0:
+            raise UserError(f"lora.alpha must be > 0, got {lora.alpha}")
+        if not 0.0 <= lora.dropout < 1.0:
+            raise UserError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
+        if not lora.target_modules:
+            raise UserError("lora.target_modules is empty; name the target's linear layers, e.g. [q_proj, v_proj]")
+        if lora.lm_loss_weight < 0:
+            raise UserError(f"lora.lm_loss_weight must be >= 0, got {lora.lm_loss_weight}")
+        if lora.heads_warmup_steps < 0:
+            raise UserError(f"lora.heads_warmup_steps must be >= 0, got {lora.heads_warmup_steps}")
+
+    @property
+    def kind(self) -> str:
+        return "medusa-2" if self.lora.enabled else "medusa-1"
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+class HeadsRecipe(Recipe):
+    config_class = HeadsConfig
+    script = "recipes/train_heads.py"
+    drafter_name = "heads"
+    config: HeadsConfig
+
+    def load_models(self) -> None:
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.target, "target")
+        self.target = load_causal_lm(cfg.target, resolve_dtype(cfg.target_dtype, self.device), self.device, "target")
+        self.target.requires_grad_(False)
+        check_last_hidden_state(self.target)
+        if cfg.lora.enabled:
+            check_lora_modules(self.target, cfg.lora.target_modules)
+        self.heads = fresh_heads(self.target, cfg.heads).to(self.device)
+        self.tree_depth = cfg.eval.tree_depth or cfg.heads.num_heads
+
+    def describe(self) -> str:
+        return f"training {self.config.kind} heads"
+
+    def build_trainable(self) -> nn.Module:
+        cfg = self.config
+        loss = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, chunk_size=cfg.loss.chunk_size)
+        if cfg.lora.enabled:  # after the data: the target answered the prompts as it was
+            return JointObjective(add_lora(self.target, cfg.lora), self.heads, lm_loss=cfg.lora.lm_loss,
+                                  lm_loss_weight=cfg.lora.lm_loss_weight, **loss)
+        return HeadsObjective(self.heads, **loss)
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        cfg = self.config
+        if cfg.lora.enabled:
+            return model(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["labels"],
+                         heads_reach_target=batch["step"] >= cfg.lora.heads_warmup_steps,
+                         position_ids=batch["position_ids"])
+        # Medusa-1: the frozen target runs here; nothing before the first trained position counts,
+        # so its LM head skips it.
+        start = response_window(batch["loss_mask"])
+        keep = batch["input_ids"].shape[1] - start if cfg.loss.kind == "kl" else 1
+        with torch.no_grad():
+            o = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            position_ids=batch["position_ids"], output_hidden_states=True, use_cache=False,
+                            logits_to_keep=keep)
+        teacher = o.logits if cfg.loss.kind == "kl" else None
+        return model(o.hidden_states[-1][:, start:], batch["loss_mask"][:, start:], batch["labels"][:, start:],
+                     teacher)
+
+    def evaluate(self, model) -> dict:
+        return heads_acceptance(self.verifier(model), model.heads, self.prompts, tree_depth=self.tree_depth,
+                                max_new_tokens=self.config.eval.max_new_tokens, eos_token_ids=set(self.eos_ids))
+
+    def verifier(self, model) -> nn.Module:
+        """Medusa-2 verifies with the adapted target (adapters on), Medusa-1 with the target itself."""
+        return model.target if self.config.lora.enabled else self.target
+
+    def export(self, result, initial: dict, final: dict) -> dict:
+        cfg = self.config
+        calibrated = None
+        if cfg.eval.tree_nodes:
+            calibrated = self.calibrate_tree(result.model)
+            self.accelerator.print(f"calibrated tree: {cfg.eval.tree_nodes} nodes, held-out tau "
+                                   f"{calibrated['tau']:.3f} (default tree {final['tau']:.3f})")
+        export_final(result.model, cfg, self.tokenizer, self.out / "final", result.step, result.best_step, initial,
+                     final, len(self.prompts), calibrated=calibrated)
+        return {"calibrated": calibrated} if calibrated else {}
+
+    def calibrate_tree(self, module: nn.Module) -> dict:
+        """The trained heads' top-k accuracy on the held-out prompts, the tree it implies, and that
+        tree's held-out acceptance: {"topk_accuracy", "tree", **acceptance metrics}."""
+        cfg = self.config
+        module.eval()  # LoRA dropout off, as in every evaluation
+        verifier = self.verifier(module)
+        accuracy = head_topk_accuracy(verifier, module.heads, [p.ids for p in self.prompts],
+                                      topk=cfg.eval.calibration_topk, max_new_tokens=cfg.eval.max_new_tokens,
+                                      eos_token_ids=self.eos_ids)
+        tree = tree_from_accuracies(accuracy[:self.tree_depth], cfg.eval.tree_nodes)
+        metrics = heads_acceptance(verifier, module.heads, self.prompts, tree_depth=self.tree_depth, tree=tree,
+                                   max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=set(self.eos_ids))
+        return {**metrics, "topk_accuracy": accuracy, "tree": [list(p) for p in tree]}
+
+    def summary_fields(self) -> dict:
+        return {"kind": self.config.kind}
+
+
+# ----------------------------------------------------------------------------- the pieces
+
+
+def check_last_hidden_state(target) -> None:
+    """The heads must read the state the LM head reads (post-norm). transformers 5.x returns it as
+    `hidden_states[-1]`; a model that returns the pre-norm state would train useless heads."""
+    lm_head = target.get_output_embeddings()
+    vocab = output_vocab_size(target)
+    device = lm_head.weight.device
+    ids = (torch.arange(16, device=device) * 7 + 3) % vocab
+    with torch.no_grad():
+        out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+        agree = (lm_head(out.hidden_states[-1]).argmax(-1) == out.logits.argmax(-1)).float().mean().item()
+    if agree < 0.9:
+        raise UserError(f"this target's hidden_states[-1] is not what its LM head reads (the argmax agrees at only "
+                        f"{agree:.0%} of positions); Medusa heads need a model that returns its final, post-norm "
+                        "hidden state there")
+
+
+def fresh_heads(target, cfg: HeadsArchConfig) -> MedusaHeads:
+    try:
+        heads = MedusaHeads.from_target(target, num_heads=cfg.num_heads, num_layers=cfg.num_layers)
+    except ValueError as e:
+        raise UserError(f"cannot build Medusa heads for this target: {e}") from e
+    heads = heads.to(torch.float32)
+    heads.requires_grad_(True)
+    if not cfg.train_lm_heads:
+        heads.lm_heads.requires_grad_(False)
+    return heads
+
+
+def check_lora_modules(target, names: list[str]) -> None:
+    """Fail before any work if an adapter would have no layer to sit on (peft's suffix matching)."""
+    linear = {n.rsplit(".", 1)[-1] for n, m in target.named_modules() if isinstance(m, nn.Linear)}
+    missing = [n for n in names if n not in linear]
+    if missing:
+        raise UserError(f"lora.target_modules {missing} name no linear layer of the target; its linear layers are "
+                        f"{sorted(linear)}")
+
+
+def add_lora(target, cfg: HeadsLoraConfig):
+    from peft import LoraConfig, get_peft_model
+
+    peft_cfg = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                          target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(target, peft_cfg)
+
+
+def heads_acceptance(target, heads: MedusaHeads, prompts: list[EvalPrompt], *, tree_depth: int,
+                     max_new_tokens: int, eos_token_ids: set[int], tree: list | None = None) -> dict:
+    """Greedy Medusa tree decoding of `prompts`: tau, acceptance and per-head acceptance (with
+    `tree`, or the default tree cut to `tree_depth`)."""
+    decoder = MedusaDecoder(target, heads, tree=tree or default_tree(tree_depth), temperature=0.0,
+                            eos_token_ids=eos_token_ids)
+    return greedy_acceptance(decoder, prompts, max_new_tokens, extra={"tree_nodes": decoder.num_tree_nodes})
+
+
+def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path, steps: int, best_step: int,
+                 initial: dict, final: dict, num_prompts: int, calibrated: dict | None = None) -> None:
+    """final/: the heads in vLLM's format (with the calibrated tree, if any); Medusa-2 also target/,
+    the merged adapted target (the verifier). Written into one temporary directory and renamed,
+    so heads never point at a half-written verifier."""
+    final_dir = Path(final_dir)
+    heads = copy.deepcopy(module.heads).to(device="cpu", dtype=DTYPES[cfg.export_dtype])
+    verifier = str((final_dir / "target").resolve()) if cfg.lora.enabled else None
+    info = {"kind": cfg.kind, "target": cfg.target, **({"verifier": verifier} if verifier else {})}
+    rows = [table_row("fresh heads (before training)", initial), table_row(f"trained (step {best_step})", final)]
+    if calibrated:
+        info |= {"tree": calibrated["tree"], "topk_accuracy": calibrated["topk_accuracy"]}
+        rows.append(table_row(f"trained, calibrated tree ({len(calibrated['tree'])} nodes)", calibrated))
+    with atomic_dir(final_dir, overwrite=True) as tmp:
+        save_medusa(heads, tmp, extra={"drafttrain": info, "base_model": verifier or cfg.target},
+                    card_notes=card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows)))
+        if cfg.lora.enabled:
+            merged = copy.deepcopy(module.target).merge_and_unload().to("cpu")
+            merged.save_pretrained(tmp / "target")
+            tokenizer.save_pretrained(tmp / "target")
+            (tmp / "target" / "README.md").write_text(
+                f"# Adapted target (Medusa-2)\n\n`{cfg.target}` with the LoRA adapters (r={cfg.lora.r}, "
+                f"modules {', '.join(cfg.lora.target_modules)}) trained jointly with the Medusa heads in `..`, "
+                "merged into its weights. It is the verifier those heads were trained for: pass this directory "
+                "as --target.\n")
+
+
+def card_notes(cfg: HeadsConfig, steps: int, best_step: int, num_prompts: int, table: str) -> str:
+    lines = ["## Training", "",
+             f"- **method**: {cfg.kind} (" + ("LoRA adapters on the target trained jointly with the heads"
+                                              if cfg.lora.enabled else "target frozen, only the heads trained") + ")",
+             f"- **target**: `{cfg.target}`",
+             f"- **heads loss**: {cfg.loss.kind}" + (" (self-distillation from the target's own distribution)"
+                                                      if cfg.loss.kind == "kl" else " (on the target's tokens)")
+             + f", head i weighted {cfg.loss.decay}^i",
+             f"- **LM heads trained**: {'yes' if cfg.heads.train_lm_heads else 'no (residual blocks only)'}",
+             f"- **training steps**: {steps}; exported weights: step {best_step} "
+             + ("(best held-out tau)" if cfg.train.keep_best else "(last)")]
+    if cfg.lora.enabled:
+        lines.append(f"- **LoRA**: r={cfg.lora.r}, alpha={cfg.lora.alpha}, modules "
+                     f"{', '.join(cfg.lora.target_modules)}; language-model loss {cfg.lora.lm_loss} x "
+                     f"{cfg.lora.lm_loss_weight}")
+        lines += ["", "**The verifier is the adapted target** in `target/` next to these heads (the LoRA adapters "
+                      "merged), not the original target: use it as the target, e.g. `drafttrain eval --target "
+                      "<this directory>/target --heads <this directory> ...`, or as the model in vLLM."]
+    lines += ["", f"## Acceptance (greedy tree decoding, {num_prompts} held-out prompts)", "", table.rstrip("\n")]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return recipe_main(HeadsConfig, run_heads_training, argv, prog="recipes/train_heads.py")
+    return recipe_main(HeadsRecipe, argv)
 
 
 if __name__ == "__main__":

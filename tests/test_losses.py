@@ -340,8 +340,7 @@ def test_bad_arguments_raise_value_error():
 
 @pytest.mark.parametrize("k", [1, 5, 24])
 def test_topk_forward_kl_equals_the_dense_loss_on_the_reconstructed_teacher(k):
-    from drafttrain.losses import topk_forward_kl
-    from drafttrain.training.distill import topk_teacher_logits
+    from drafttrain.losses import topk_forward_kl, topk_teacher_logits
 
     g = torch.Generator().manual_seed(k)
     V = 24

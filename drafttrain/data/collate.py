@@ -132,6 +132,16 @@ def collate(batch: Sequence[dict], pad_id: int, pad_to_multiple_of: int | None =
     return out
 
 
+def response_window(loss_mask: torch.Tensor) -> int:
+    """Where the batch's first trained position is (0 if none): logits before it are never used,
+    and on a 50k vocabulary the LM head over the prompt costs as much as the rest of the draft.
+    With `align_prompts` every trained position lies at or after it."""
+    rows = loss_mask.any(dim=1)
+    if not bool(rows.any()):
+        return 0
+    return int(loss_mask.int().argmax(dim=1)[rows].min())
+
+
 class DistillCollator:
     """`collate_fn` for a DataLoader over `generate_responses` rows: packs, then pads."""
 

@@ -13,24 +13,10 @@ import torch
 
 from ..fileio import atomic_dir
 from ..prompts import PromptRecord, encode_prompt
+from ..tokens import cut_at_eos, left_pad, pad_token_id
 from .config import DataConfig
 
 CACHE_FORMAT = 1  # bump when the stored columns or their meaning change
-
-
-def end_token_ids(tokenizer, model=None) -> list[int]:
-    """Tokens that end a turn: the tokenizer's EOS plus any the model's generation config adds
-    (instruct models often stop on several, e.g. `<|im_end|>` and `<|endoftext|>`)."""
-    ids: list[int] = []
-    candidates = [tokenizer.eos_token_id]
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    candidates += gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
-    for i in candidates:
-        if i is not None and int(i) not in ids:
-            ids.append(int(i))
-    if not ids:
-        raise ValueError("the tokenizer has no EOS token and the model's generation config names none")
-    return ids
 
 
 def target_fingerprint(model_path_or_name: str, model, n_values: int = 1024) -> str:
@@ -126,7 +112,7 @@ def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    pad_id = pad_token_id(tokenizer, model)
     sampling = cfg.response_temperature > 0
     sample_kwargs = (
         # top_k=0 switches off transformers' default top-k of 50: we want the target's own distribution.
@@ -185,24 +171,3 @@ def prompt_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, k:
         values, indices = lp.topk(min(k, lp.shape[-1]), dim=-1)
         out.append((indices.cpu().tolist(), values.cpu().tolist()))
     return out
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left padding keeps every row's last prompt token in the last column, where generation continues."""
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for j, r in enumerate(rows):
-        if r:
-            input_ids[j, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            attention_mask[j, width - len(r):] = 1
-    return input_ids.to(device), attention_mask.to(device)
-
-
-def cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
-    """Up to and including the first EOS; what follows is padding of a finished row."""
-    eos = set(eos_ids)
-    for t, tok in enumerate(tokens):
-        if tok in eos:
-            return list(tokens[: t + 1])
-    return list(tokens)

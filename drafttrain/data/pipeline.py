@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from ..errors import UserError
 from ..models import context_length
 from ..prompts import PromptRecord, encode_prompt
+from ..tokens import eos_token_ids
 from .config import DataConfig
-from .generation import end_token_ids, generate_responses, target_fingerprint
+from .generation import generate_responses, target_fingerprint
 from .sources import load_prompts_from_source, split_heldout
 
 
@@ -43,6 +44,7 @@ def prepare_distillation_data(cfg: DataConfig, target_model, tokenizer, *, targe
     if not kept:
         raise UserError("no training prompts left after the held-out split and the length filter; "
                         "add prompts, lower heldout_fraction/heldout_size or raise max_seq_len")
-    dataset = generate_responses(target_model, tokenizer, kept, cfg, eos_token_id=end_token_ids(tokenizer, target_model),
+    dataset = generate_responses(target_model, tokenizer, kept, cfg,
+                                 eos_token_id=eos_token_ids(tokenizer, target_model, required=True),
                                  cache_dir=cfg.cache_dir, target_fingerprint=fingerprint)
     return DistillData(train=dataset, heldout=heldout)

@@ -15,8 +15,8 @@ from ..errors import UserError
 from ..fileio import atomic_write_json, atomic_write_jsonl
 from ..models import first_line
 from ..prompts import ID_KEYS, PromptRecord, read_prompt_file
+from ..tokens import eos_token_ids, left_pad, pad_token_id
 from .config import PromptSourceConfig
-from .generation import end_token_ids, left_pad
 
 SENTINEL = "XXSENTINELXX"
 
@@ -166,8 +166,8 @@ def self_instruct_prompts(
     if temperature <= 0:
         raise UserError(f"self_instruct needs temperature > 0 (got {temperature}); greedy gives one prompt")
     prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
-    eos_ids = end_token_ids(tokenizer, model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    eos_ids = eos_token_ids(tokenizer, model, required=True)
+    pad_id = pad_token_id(tokenizer, model)
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad([prefix] * batch_size, pad_id, device)  # identical rows: no padding
     max_batches = max_batches or max(10, 4 * math.ceil(n / batch_size))

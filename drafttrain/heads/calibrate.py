@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from ..data.generation import cut_at_eos, left_pad
+from ..tokens import cut_at_eos, left_pad
 from .model import MedusaHeads
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from drafttrain.data.config import DataConfig, PromptSourceConfig
-from drafttrain.data.generation import cut_at_eos, end_token_ids, generate_responses, target_fingerprint
+from drafttrain.data.generation import generate_responses, target_fingerprint
+from drafttrain.tokens import cut_at_eos
 from drafttrain.data.pipeline import prepare_distillation_data
 from drafttrain.errors import UserError
 from drafttrain.prompts import PromptRecord, encode_prompt
@@ -154,12 +155,6 @@ def test_target_fingerprint_tracks_weights_and_path(make_tiny_model, tmp_path):
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.add_(1e-3)
     assert fp != target_fingerprint(str(tmp_path), model)
-
-
-def test_end_token_ids_merges_tokenizer_and_generation_config(tiny_model, tiny_tokenizer, monkeypatch):
-    assert end_token_ids(tiny_tokenizer, tiny_model) == [EOS]
-    monkeypatch.setattr(tiny_model.generation_config, "eos_token_id", [EOS, 1])
-    assert end_token_ids(tiny_tokenizer, tiny_model) == [EOS, 1]
 
 
 def test_pipeline_keeps_heldout_prompts_out_of_the_training_data(tiny_model, tiny_tokenizer, tmp_path):

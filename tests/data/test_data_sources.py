@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from drafttrain.config import from_dict
 from drafttrain.data.config import DataConfig, PromptSourceConfig
 from drafttrain.data.sources import (
     extract_prompt,
@@ -87,12 +88,15 @@ def test_hf_missing_dataset_is_a_user_error(tmp_path, tiny_tokenizer):
         load_prompts_from_source(src, tiny_tokenizer)
 
 
-def test_config_validation_and_dict_sources(tmp_path):
-    cfg = DataConfig(sources=[{"kind": "jsonl", "path": "x.jsonl"}], cache_dir=str(tmp_path))
-    assert isinstance(cfg.sources[0], PromptSourceConfig)
+def test_config_validation_and_sources_from_yaml_data(tmp_path):
+    # Plain data (YAML) becomes typed sources through the config loader, which checks every key.
+    cfg = from_dict(DataConfig, {"sources": [{"kind": "jsonl", "path": "x.jsonl"}], "cache_dir": str(tmp_path)})
+    assert cfg.sources == [PromptSourceConfig(kind="jsonl", path="x.jsonl")]
     cfg.validate()
+    with pytest.raises(UserError, match="unknown config key 'sources\[0\].pth'"):
+        from_dict(DataConfig, {"sources": [{"kind": "jsonl", "pth": "x.jsonl"}]})
     with pytest.raises(UserError, match="needs `num_prompts`"):
-        DataConfig(sources=[{"kind": "self_instruct"}]).validate()
+        DataConfig(sources=[PromptSourceConfig(kind="self_instruct")]).validate()
     with pytest.raises(UserError, match="unknown prompt source kind"):
         PromptSourceConfig(kind="csv", path="x").validate()
     with pytest.raises(UserError, match="heldout_fraction"):

@@ -1,7 +1,6 @@
 """Medusa heads training (recipes/train_heads.py): the per-head alignment, Medusa-1, Medusa-2, bad configs."""
 
 import copy
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -11,23 +10,22 @@ import torch
 import torch.nn.functional as F
 from tiny import save_pair, tiny_lm, tiny_tokenizer
 
-import drafttrain.heads.train as heads_train
+import recipes.train_heads as heads_recipe
+from recipes.train_heads import HeadsLoraConfig, add_lora
+
 from drafttrain.cli import main as cli_main
 from drafttrain.data.collate import DistillCollator
 from drafttrain.heads.calibrate import head_topk_accuracy
+from drafttrain.heads.loss import JointObjective, medusa_heads_loss
 from drafttrain.heads.model import MedusaHeads
 from drafttrain.heads.tree import tree_from_accuracies
-from drafttrain.heads.train import HeadsLoraConfig, HeadsLossConfig, JointObjective, add_lora, medusa_heads_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes" / "configs" / "tiny_heads_test.yaml"
 
 
 def recipe_main(argv):
-    spec = importlib.util.spec_from_file_location("train_heads_recipe", ROOT / "recipes" / "train_heads.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return heads_recipe.main(argv)
 
 
 # ----------------------------------------------------------------------------- (a) alignment
@@ -98,7 +96,7 @@ def test_joint_loss_is_kl_to_the_original_target():
     original = copy.deepcopy(target)
     heads = MedusaHeads.from_target(target, num_heads=2)
     lora = HeadsLoraConfig(enabled=True, r=4, dropout=0.0)
-    module = JointObjective(add_lora(target, lora), heads, HeadsLossConfig(kind="kl"), lora)
+    module = JointObjective(add_lora(target, lora), heads, kind="kl", decay=0.8, lm_loss="kl", lm_loss_weight=1.0)
     torch.manual_seed(2)
     with torch.no_grad():
         for name, p in module.target.named_parameters():
@@ -157,8 +155,8 @@ def run_eval(target, heads, prompts, out, capsys, dtype="float32", tree="auto"):
 @pytest.mark.parametrize("kind", ["kl", "ce"])
 def test_medusa1_raises_tau_and_leaves_the_target_alone(setup, tmp_path, monkeypatch, capsys, kind):
     loaded = []
-    real_load = heads_train.load_causal_lm
-    monkeypatch.setattr(heads_train, "load_causal_lm", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    real_load = heads_recipe.load_causal_lm
+    monkeypatch.setattr(heads_recipe, "load_causal_lm", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
     out = tmp_path / "run"
     assert run_recipe(setup, out, f"loss.kind={kind}") == 0
 

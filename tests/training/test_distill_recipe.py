@@ -16,11 +16,11 @@ import torch
 from training_helpers import (RECIPE, assert_same_weights, load_recipe, load_weights, recipe_args,
                               run_python_recipe, subprocess_env)
 
+from recipes.distill import DistillConfig
+
 from drafttrain.config import dump_config_yaml, load_config, undocumented_fields
-from drafttrain.data.collate import DistillCollator
-from drafttrain.losses import distill_loss
-from drafttrain.training.common import response_window
-from drafttrain.training.distill import DistillConfig, onpolicy_batch, onpolicy_step, topk_teacher_logits
+from drafttrain.data import DistillCollator, onpolicy_batch, onpolicy_step, response_window
+from drafttrain.losses import distill_loss, topk_teacher_logits
 
 EOS = 2  # tests/tiny.py: <|im_end|>
 VOCAB = 64  # tests/tiny.py: tiny_lm and tiny_tokenizer
@@ -277,19 +277,6 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(assets, tmp
         assert_same_weights(load_weights(out / name), load_weights(whole / name), rtol=1e-6, atol=1e-7)
     assert json.loads((out / "eval" / "final.json").read_text())["tau"] == \
         json.loads((whole / "eval" / "final.json").read_text())["tau"]
-
-
-def test_paths_expand_environment_variables(monkeypatch, tmp_path):
-    from drafttrain.errors import UserError
-    from drafttrain.training.common import expand_vars
-
-    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path))
-    assert expand_vars("${DRAFTTRAIN_HOME}/models/x", "target") == f"{tmp_path}/models/x"
-    monkeypatch.delenv("DRAFTTRAIN_HOME")
-    assert expand_vars("${DRAFTTRAIN_HOME}/m", "target") == str(Path.home() / ".cache" / "drafttrain" / "m")
-    monkeypatch.delenv("NO_SUCH_VARIABLE", raising=False)
-    with pytest.raises(UserError, match="NO_SUCH_VARIABLE"):
-        expand_vars("$NO_SUCH_VARIABLE/x", "target")
 
 
 @pytest.mark.parametrize("name", ["tiny_test.yaml", "smollm2_distill_demo.yaml"])

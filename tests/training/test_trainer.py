@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafttrain.training.trainer import (MicroBatches, OptimConfig, TrainConfig, build_accelerator,
-                                         complete_checkpoints, lr_factor, train)
+from drafttrain.training.checkpoints import complete_checkpoints
+from drafttrain.training.config import OptimConfig, TrainConfig
+from drafttrain.training.distributed import build_accelerator
+from drafttrain.training.optim import lr_factor
+from drafttrain.training.sampler import MicroBatches
+from drafttrain.training.trainer import train
 
 N_EXAMPLES = 22
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -24,10 +23,9 @@ def recipe_args(assets: dict, output_dir, *overrides: str) -> list[str]:
 
 def load_recipe():
     """recipes/distill.py as a module, to call its `main(argv)` in-process."""
-    spec = importlib.util.spec_from_file_location("distill_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import recipes.distill
+
+    return recipes.distill
 
 
 def subprocess_env() -> dict:

@@ -1,0 +1,65 @@
+"""How a recipe measures its drafter while training: greedy acceptance on held-out prompts.
+
+The measurement that picks the exported weights is the one that matters in use: greedy
+speculative decoding of held-out prompts with drafttrain's own decoders, summarised by tau (mean
+accepted length, SPEC §2). Every drafter kind builds its decoder; the rest is shared here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..errors import UserError
+from ..metrics import PromptResult, compute_metrics
+from ..models import context_length
+from ..prompts import encode_prompt
+
+
+@dataclass
+class EvalPrompt:
+    id: object
+    category: str
+    ids: list[int]
+
+
+def eval_prompts(records, tokenizer, target, *, num_prompts: int, max_new_tokens: int) -> list[EvalPrompt]:
+    """The first `num_prompts` held-out prompts that fit the target's context with the answer."""
+    limit = context_length(target)
+    out = []
+    for r in records:
+        ids = encode_prompt(r, tokenizer)
+        if limit is None or len(ids) + max_new_tokens <= limit:
+            out.append(EvalPrompt(r.id, r.category, ids))
+        if len(out) == num_prompts:
+            break
+    if not out:
+        raise UserError("no held-out prompt fits the target's context together with eval.max_new_tokens; "
+                        "lower eval.max_new_tokens or hold out shorter prompts")
+    return out
+
+
+ACCEPTANCE_KEYS = ("prompts", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                   "mean_accepted_length", "per_position_acceptance", "per_position_acceptance_when_proposed")
+
+
+def greedy_acceptance(decoder, prompts: list[EvalPrompt], max_new_tokens: int, extra: dict | None = None) -> dict:
+    """Greedy decoding of `prompts` with one of drafttrain's decoders: tau and acceptance (+ `extra`)."""
+    results = []
+    for p in prompts:
+        start = time.perf_counter()
+        gen = decoder.generate(p.ids, max_new_tokens)
+        results.append(PromptResult(p.id, p.category, gen, time.perf_counter() - start))
+    k = decoder.num_draft_tokens
+    m = compute_metrics(results, k, greedy=True)
+    return {"tau": m["mean_accepted_length"], **{key: m[key] for key in ACCEPTANCE_KEYS}, "num_draft_tokens": k,
+            **(extra or {})}
+
+
+def table_row(name: str, metrics: dict) -> dict:
+    """One row of the exported acceptance table, from an evaluation's metrics."""
+    return {"drafter": name, "num_draft_tokens": metrics["num_draft_tokens"], "tau": metrics["tau"],
+            "acceptance_rate": metrics["acceptance_rate"], "per_position_acceptance": metrics["per_position_acceptance"]}
+
+
+__all__ = ["EvalPrompt", "eval_prompts", "greedy_acceptance", "table_row"]

@@ -1,0 +1,283 @@
+"""The run every drafter kind shares, told once: a recipe supplies only what is its own.
+
+A recipe (`recipes/distill.py`, `recipes/train_heads.py`, ...) is a `Recipe` subclass with a
+`RecipeConfig` subclass. `Recipe.run` is the whole story, in this order:
+
+    setup()
+      validate the config                       (nothing touched yet)
+      build the Accelerator
+      open the output directory                 (a usable path, the run's lock, the same config)
+      load_models()          <- the recipe      (target, and whatever can fail to load)
+      start the output directory                (--overwrite clears, leftovers go, config.yaml)
+      save_initial()         <- the recipe      (e.g. the untrained draft, exported)
+      prepare the data                          (the target's answers; held-out prompts)
+      make_collator(), build_trainable()  <- the recipe
+    train()
+      the generic loop (training.trainer) with the recipe's loss() and evaluate()
+      export()               <- the recipe      (final/, from the best evaluated weights)
+      eval/initial.json, eval/final.json, a summary
+    cleanup()                                   (the lock is released)
+
+So a new drafter kind (EAGLE-3 next) writes its config sections, and five methods: load_models,
+build_trainable, loss, evaluate, export. Anything that fails before the output directory is
+started leaves no trace; every failure is one `error:` line and exit code 2 (`recipe_main`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from ..config import config_to_dict, documented, parse_argv
+from ..data.collate import DistillCollator
+from ..data.config import DataConfig
+from ..data.pipeline import DistillData, prepare_distillation_data
+from ..data.sources import write_prompts_jsonl
+from ..errors import UserError
+from ..fileio import atomic_write_json
+from ..home import expand_vars
+from ..models import DTYPES, check_model_path, first_line
+from ..tokens import eos_token_ids, pad_token_id
+from .config import OptimConfig, TrainConfig
+from .distributed import build_accelerator, close_process_group, zero3_init_disabled
+from .heldout import EvalPrompt, eval_prompts
+from .run_dir import RunDirectory
+from .trainer import TrainResult, train
+
+TargetDtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+ExportDtype = Literal["float32", "bfloat16", "float16"]
+
+RECIPE_FLAGS = {
+    "--overwrite": "Start over: delete the earlier run in output_dir (its checkpoints, logs and exports) first. "
+                   "Without it, a run with the same output_dir and config resumes, and another config is refused.",
+}
+
+
+# ----------------------------------------------------------------------------- the config every recipe has
+
+
+@dataclass
+class RecipeEvalConfig:
+    num_prompts: int = documented(16, doc="Held-out prompts decoded at each evaluation (the first ones).")
+    max_new_tokens: int = documented(64, doc="Tokens generated per prompt during evaluation.")
+
+
+@dataclass
+class RecipeConfig:
+    """The fields and checks every recipe shares; a recipe's config subclasses it, adds its own
+    sections, and may re-declare `eval` with a RecipeEvalConfig subclass."""
+
+    output_dir: str = documented(
+        doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/, eval/. "
+            "Started again with the same directory and config, the run resumes; with another config it is "
+            "refused (--overwrite starts over).")
+    target: str = documented(doc="The target model: a local directory or hub id. ${VAR}s are expanded "
+                                 "(${DRAFTTRAIN_HOME} defaults to ~/.cache/drafttrain).")
+    target_dtype: TargetDtype = documented(
+        "auto", doc="dtype of the target: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16, "
+                    "float64. What trains is float32 (see train.mixed_precision).")
+    export_dtype: ExportDtype = documented("float32", doc="dtype of the exported drafter's weights.")
+    data: DataConfig = documented(default_factory=DataConfig, doc="Prompts and the target's answers to them.")
+    optim: OptimConfig = documented(default_factory=OptimConfig, doc="Optimizer and learning-rate schedule.")
+    train: TrainConfig = documented(default_factory=TrainConfig, doc="Training loop, checkpoints and logging.")
+    eval: RecipeEvalConfig = documented(
+        default_factory=RecipeEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+
+    def validate(self) -> None:
+        """Everything that can be checked without loading a model; raises a one-line UserError.
+        Paths are ${VAR}-expanded in place. A subclass calls this first, then checks its own sections."""
+        if not str(self.output_dir).strip():
+            raise UserError("output_dir is empty; set output_dir=runs/NAME")
+        self.output_dir = expand_vars(self.output_dir, "output_dir")
+        self.target = expand_vars(self.target, "target")
+        check_model_path(self.target, "target")
+        if self.target_dtype != "auto" and self.target_dtype not in DTYPES:
+            raise UserError(f"target_dtype {self.target_dtype!r} is unknown; use auto, {', '.join(DTYPES)}")
+        if self.export_dtype not in ("float32", "bfloat16", "float16"):
+            raise UserError(f"export_dtype {self.export_dtype!r} is unknown; use float32, bfloat16 or float16")
+
+        data = self.data
+        for src in data.sources:
+            if src.path:
+                src.path = expand_vars(src.path, "data.sources[].path")
+        data.cache_dir = expand_vars(data.cache_dir, "data.cache_dir")
+        data.validate()
+        if not data.sources:
+            raise UserError("data.sources is empty; add at least one prompt source (jsonl, hf or self_instruct)")
+        if data.heldout_size == 0 or (data.heldout_size is None and data.heldout_fraction == 0):
+            raise UserError("evaluation needs held-out prompts; set data.heldout_size > 0 or data.heldout_fraction > 0")
+        self.train.validate()
+        self.optim.validate()
+        for key in ("num_prompts", "max_new_tokens"):
+            if getattr(self.eval, key) < 1:
+                raise UserError(f"eval.{key} must be >= 1, got {getattr(self.eval, key)}")
+
+
+# ----------------------------------------------------------------------------- the skeleton
+
+
+class Recipe:
+    """One training run of one drafter kind. Subclasses set the class attributes and implement
+    the hooks; `run()` (setup, train, cleanup) is the same for all. Available to the hooks:
+    `self.config`, `self.accelerator`, `self.device`, `self.out` (the run directory), and once
+    loaded `self.tokenizer`, `self.target` (set them in load_models), `self.eos_ids`, `self.pad_id`,
+    `self.data` (DistillData: `train` rows, `heldout` records), `self.prompts` (what evaluate decodes)."""
+
+    config_class: ClassVar[type[RecipeConfig]] = RecipeConfig
+    script: ClassVar[str] = "recipe"              # e.g. "recipes/distill.py": --help, model cards
+    drafter_name: ClassVar[str] = "drafter"       # what final/ holds, for the closing line
+    run_entries: ClassVar[frozenset[str]] = frozenset()  # what the recipe writes into output_dir beyond the usual
+
+    tokenizer: Any
+    target: torch.nn.Module
+
+    def __init__(self, config: RecipeConfig, *, overwrite: bool = False):
+        self.config = config
+        self.overwrite = overwrite
+        self.run_dir: RunDirectory | None = None
+
+    # ------------------------------------------------------------------------- hooks, in the order run() calls them
+
+    def load_models(self) -> None:
+        """Load `self.tokenizer`, `self.target` and anything else that can fail before the run
+        writes its directory (models, compatibility checks)."""
+        raise NotImplementedError
+
+    def save_initial(self) -> None:
+        """Main process, once the directory is started: save what the run starts from, if anything."""
+
+    def describe(self) -> str:
+        """A few words on what trains, for the start-up line."""
+        return ""
+
+    def make_collator(self):
+        """Batches of prompt + response, prompts aligned so the trained positions form one block."""
+        return DistillCollator(self.config.data.max_seq_len, self.pad_id, align_prompts=True)
+
+    def build_trainable(self) -> torch.nn.Module:
+        """The module the optimizer trains (its requires_grad parameters); built after the data."""
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+        """The micro-batch's mean loss and a dict of values to log (see `training.trainer.train`)."""
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module) -> dict:
+        """Greedy acceptance of `model` on `self.prompts` (see `training.heldout.greedy_acceptance`)."""
+        raise NotImplementedError
+
+    def export(self, result: TrainResult, initial: dict, final: dict) -> dict[str, dict]:
+        """Main process: write `final/` from `result.model`; return extra evaluations to save as eval/NAME.json."""
+        raise NotImplementedError
+
+    def summary_fields(self) -> dict:
+        return {}
+
+    # ------------------------------------------------------------------------- the run
+
+    def run(self) -> dict:
+        """The whole recipe; returns a summary (initial/final tau, best step, output paths)."""
+        try:
+            self.setup()
+            return self.train()
+        finally:
+            self.cleanup()
+
+    def setup(self) -> None:
+        cfg = self.config
+        cfg.validate()
+        self.accelerator = build_accelerator(cfg.train)
+        self.device = self.accelerator.device
+        self.main = self.accelerator.is_main_process
+        self.out = Path(cfg.output_dir)
+        self.run_dir = RunDirectory(self.out, self.accelerator, self.run_entries)
+        self.run_dir.open(cfg, self.overwrite)
+        with zero3_init_disabled(self.accelerator):
+            self.load_models()
+        self.eos_ids = eos_token_ids(self.tokenizer, self.target, required=True)
+        self.pad_id = pad_token_id(self.tokenizer, self.target)
+
+        # Everything is checked: from here on the run writes its directory.
+        self.run_dir.start(cfg, self.overwrite)
+        if self.main:
+            self.save_initial()
+        self.data, self.prompts = self.prepare_data()
+        about = self.describe()
+        self.accelerator.print(f"{len(self.data.train)} training examples, {len(self.data.heldout)} held-out prompts "
+                               f"({len(self.prompts)} used for evaluation)" + (f"; {about}" if about else ""))
+        self.collator = self.make_collator()
+        self.trainable = self.build_trainable()
+
+    def prepare_data(self) -> tuple[DistillData, list[EvalPrompt]]:
+        """The target's answers to the training prompts (generated once, cached), the held-out
+        prompts (saved to heldout.jsonl for `drafttrain eval`) and the first of them that
+        evaluation decodes."""
+        cfg = self.config
+        with self.accelerator.main_process_first():
+            data = prepare_distillation_data(cfg.data, self.target, self.tokenizer, target_path=cfg.target)
+        if self.main:
+            write_prompts_jsonl(self.out / "heldout.jsonl", data.heldout)
+        prompts = eval_prompts(data.heldout, self.tokenizer, self.target, num_prompts=cfg.eval.num_prompts,
+                               max_new_tokens=cfg.eval.max_new_tokens)
+        return data, prompts
+
+    def train(self) -> dict:
+        cfg = self.config
+        result = train(self.accelerator, self.trainable, self.data.train, self.collator, self.loss, self.evaluate,
+                       cfg.train, cfg.optim, self.out, run_config=config_to_dict(cfg))
+        initial = next(e for e in result.evals if e["step"] == 0)
+        final = result.best_metrics
+        summary = {"output_dir": str(self.out), **self.summary_fields(), "initial_tau": initial["tau"],
+                   "final_tau": final["tau"], "best_step": result.best_step, "steps": result.step,
+                   "final_dir": str(self.out / "final")}
+        if self.main:
+            extra = self.export(result, initial, final)
+            for name, metrics in {"initial": initial, "final": final, **extra}.items():
+                atomic_write_json(self.out / "eval" / f"{name}.json", metrics)
+            self.accelerator.print(f"tau {initial['tau']:.3f} -> {final['tau']:.3f} (step {result.best_step}); "
+                                   f"{self.drafter_name} in {self.out / 'final'}")
+        self.accelerator.wait_for_everyone()
+        return summary
+
+    def cleanup(self) -> None:
+        if self.run_dir is not None:
+            self.run_dir.close()
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def recipe_main(recipe_class: type[Recipe], argv: list[str] | None = None) -> int:
+    """A recipe script's `main`: parse `--config FILE [--overwrite] [key=value ...]`, run. A bad input,
+    a load failure or an I/O error prints one `error:` line (exit 2); Ctrl-C one line (exit 130)."""
+    try:
+        cfg, flags = parse_argv(recipe_class.config_class, argv, prog=recipe_class.script, flags=RECIPE_FLAGS)
+        recipe_class(cfg, overwrite="--overwrite" in flags).run()
+    except UserError as e:
+        _say(f"error: {e}")
+        return e.exit_code
+    except BrokenPipeError:  # e.g. `--help | head`
+        return 141
+    except OSError as e:
+        _say(f"error: {first_line(e)}; fix the file system problem (space, permissions) and start the same "
+             "command again: the run resumes from its newest complete checkpoint")
+        return 2
+    except KeyboardInterrupt:
+        _say("interrupted; start the same command again to resume from the newest checkpoint")
+        return 130
+    finally:
+        close_process_group()
+    return 0
+
+
+def _say(line: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike; say it once
+        print(line, file=sys.stderr, flush=True)
+
+
+__all__ = ["ExportDtype", "RECIPE_FLAGS", "Recipe", "RecipeConfig", "RecipeEvalConfig", "TargetDtype", "recipe_main"]
