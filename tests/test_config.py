@@ -186,3 +186,18 @@ def test_config_from_argv(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config_from_argv(Recipe, ["--help"])
     assert "optim.lr" in capsys.readouterr().out
+
+
+def test_parse_argv_takes_the_flags_it_is_given(tmp_path, capsys):
+    from drafttrain.config import parse_argv
+
+    flags = {"--overwrite": "Start over."}
+    cfg, given = parse_argv(Recipe, ["steps=3", "--overwrite"], flags=flags)
+    assert cfg.steps == 3 and given == {"--overwrite"}
+    assert parse_argv(Recipe, ["steps=3"], flags=flags)[1] == set()
+    with pytest.raises(UserError, match="unknown option '--overwrite'; recipes take --config FILE and"):
+        parse_argv(Recipe, ["--overwrite"])
+    with pytest.raises(SystemExit):
+        parse_argv(Recipe, ["--help"], prog="r.py", flags=flags)
+    out = capsys.readouterr().out
+    assert out.startswith("usage: r.py --config FILE.yaml [--overwrite] [key=value ...]") and "Start over." in out

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
 from ..fileio import atomic_dir, atomic_write_json
@@ -67,8 +68,23 @@ def write_manifest(directory: Path) -> None:
     atomic_write_json(directory / MANIFEST_FILE, {"format": MANIFEST_FORMAT, "files": files})
 
 
+_verified: dict[str, tuple[tuple, str | None]] = {}  # directory -> (file stats, outcome): hash once per process
+
+
 def manifest_problem(directory: Path) -> str | None:
-    """None if every file the manifest lists is there with its size and checksum; else what is wrong."""
+    """None if every file the manifest lists is there with its size and checksum; else what is wrong.
+    (The outcome is remembered while no file in the directory changes: the run's start-up checks
+    and the trainer's resume ask about the same checkpoints.)"""
+    stats = tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()))
+    key = str(directory.resolve())
+    if key in _verified and _verified[key][0] == stats:
+        return _verified[key][1]
+    problem = _check_manifest(directory)
+    _verified[key] = (stats, problem)
+    return problem
+
+
+def _check_manifest(directory: Path) -> str | None:
     try:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
         files = manifest["files"]
@@ -212,14 +228,10 @@ def prune_checkpoints(output_dir: str | Path, keep: int, protect: int | None = N
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
     save_file({k: v.clone() for k, v in state.items()}, str(path))  # clone: no shared storage
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(str(path))
 
 

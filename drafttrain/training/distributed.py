@@ -13,6 +13,9 @@ from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
 import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object
 
 from ..errors import UserError
 from .config import OptimConfig, TrainConfig
@@ -31,9 +34,6 @@ def build_accelerator(cfg: TrainConfig):
     and DeepSpeed over gloo too (DeepSpeed's own CPU path). wandb stays offline unless the user
     configured it.
     """
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
     if is_deepspeed_launch() and importlib.util.find_spec("deepspeed") is None:
         raise UserError("this launch config uses DeepSpeed, which is not installed; "
                         "pip install 'drafttrain[deepspeed]' or launch with recipes/accelerate/ddp.yaml")
@@ -79,8 +79,6 @@ def zero3_init_disabled(accelerator):
 
 def is_sharded(accelerator) -> bool:
     """True when no single rank holds the full weights (DeepSpeed ZeRO-3, FSDP)."""
-    from accelerate.utils import DistributedType
-
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return accelerator.state.deepspeed_plugin.zero_stage == 3
     return accelerator.distributed_type == DistributedType.FSDP
@@ -111,8 +109,6 @@ def broadcast(accelerator, obj: Any) -> Any:
     """The main process's `obj` on every rank."""
     if accelerator.num_processes == 1:
         return obj
-    from accelerate.utils import broadcast_object_list
-
     return broadcast_object_list([obj], from_process=0)[0]
 
 
@@ -134,8 +130,6 @@ def on_main(accelerator, fn: Callable[[], T]) -> T:
 def raise_if_any(accelerator, error: str | None) -> None:
     """Collective: every rank raises a UserError if ANY rank reports one (the first rank's message)."""
     if accelerator.num_processes > 1:
-        from accelerate.utils import gather_object
-
         errors = [e for e in gather_object([error]) if e is not None]
         error = errors[0] if errors else None
     if error is not None:
@@ -153,8 +147,6 @@ def any_rank(accelerator, flag: torch.Tensor) -> bool:
 def close_process_group() -> None:
     """Tear the process group down before the interpreter does: left to exit, gloo's threads can
     die un-joined ("terminate called without an active exception", SIGABRT) after a finished run."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -4,6 +4,8 @@
   its pid written inside. A second run into the same directory is refused, naming that pid.
   The kernel drops the lock when its holder dies, so the lock of a killed run is simply taken
   over (the pid it left says which run that was); a run that ends cleanly empties the file.
+  (`flock` is honoured across machines on local and most cluster file systems, not on every NFS
+  setup: runs on several nodes should keep distinct output directories.)
   The main process takes it before writing anything; other ranks learn the outcome.
 - **The config.** `config.yaml` is the run's identity. Started again with a different config,
   a run is refused, naming the keys, and nothing in the directory changes. Only the keys in
@@ -26,7 +28,7 @@ import yaml
 from ..config import config_to_dict, dump_config_yaml
 from ..errors import UserError
 from ..fileio import atomic_write_text, check_output_dir
-from .checkpoints import CHECKPOINT_DIR
+from .checkpoints import CHECKPOINT_DIR, find_resume_checkpoint
 from .distributed import on_main
 
 LOCK_FILE = ".lock"
@@ -196,7 +198,7 @@ class RunDirectory:
     """A recipe's output directory from the first check to the end of the run.
 
         run = RunDirectory(cfg.output_dir, accelerator)
-        run.open(cfg, overwrite)   # before any model loads: path usable, lock, same config
+        run.open(cfg, overwrite)   # before any model loads: path usable, lock, same config, a checkpoint to resume
         ...load models...
         run.start(cfg, overwrite)  # now writing: --overwrite clears, leftovers go, config.yaml
         ...
@@ -226,6 +228,7 @@ class RunDirectory:
                 self._foreign_entries()
             else:
                 check_same_config(self.path, cfg)
+                find_resume_checkpoint(self.path)  # none intact: refuse now, before anything is written
         except BaseException:
             self.close()
             raise

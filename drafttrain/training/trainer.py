@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from ..errors import UserError
 from ..fileio import atomic_write_text
@@ -219,8 +220,6 @@ class Trainer:
     # ------------------------------------------------------------------------- the loop
 
     def _loop(self) -> None:
-        from tqdm.auto import tqdm
-
         cfg, ga = self.cfg, self.cfg.gradient_accumulation_steps
         sampler = MicroBatches(len(self.dataset), cfg.micro_batch_size, self.world, self.rank, cfg.seed, ga,
                                start=self.state.step * ga)
@@ -230,19 +229,21 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.state.step, desc="train", unit="step", disable=not self.main,
                    dynamic_ncols=True)
         self.model.train()
-        while self.state.step < cfg.max_steps:
-            lr, grad_norm = self._step(batches)
-            bar.update(1)
-            step = self.state.step
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                entry = self._log(lr, grad_norm)
-                bar.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{lr:.2e}")
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-                self.evaluate()
-                bar.set_postfix(tau=f"{self.state.evals[-1]['tau']:.3f}", best=f"{self.state.best_tau:.3f}")
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
-                self.checkpoint()
-        bar.close()
+        try:
+            while self.state.step < cfg.max_steps:
+                lr, grad_norm = self._step(batches)
+                bar.update(1)
+                step = self.state.step
+                if step % cfg.log_every == 0 or step == cfg.max_steps:
+                    entry = self._log(lr, grad_norm)
+                    bar.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{lr:.2e}")
+                if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                    self.evaluate()
+                    bar.set_postfix(tau=f"{self.state.evals[-1]['tau']:.3f}", best=f"{self.state.best_tau:.3f}")
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
+                    self.checkpoint()
+        finally:
+            bar.close()  # ends the bar's line, so an error that follows is a line of its own
 
     def _step(self, batches) -> tuple[float, torch.Tensor | None]:
         """One optimizer step over `gradient_accumulation_steps` micro-batches: (lr used, grad norm)."""

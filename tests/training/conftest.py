@@ -44,3 +44,14 @@ def assets(tmp_path_factory) -> dict[str, str]:
             words = " ".join(f"w{rng.randrange(3, 64)}" for _ in range(rng.randrange(2, 8)))
             f.write(json.dumps({"id": i, "prompt": words}) + "\n")
     return out
+
+
+@pytest.fixture(scope="session")
+def distilled(assets, tmp_path_factory):
+    """One finished run of recipes/distill.py on the tiny config (60 steps, checkpoints 50 and 60).
+    Tests read it; a test that changes a run works on a copy (`copy_run`)."""
+    from training_helpers import load_recipe, recipe_args
+
+    out = tmp_path_factory.mktemp("distilled") / "run"
+    assert load_recipe().main(recipe_args(assets, out)) == 0
+    return out

@@ -35,6 +35,8 @@ def test_every_config_key_is_documented_and_listed_by_help(capsys):
         load_recipe().main(["--help"])
     assert exit_info.value.code == 0
     listing = capsys.readouterr().out
+    assert listing.startswith("usage: recipes/distill.py --config FILE.yaml [--overwrite] [key=value ...]")
+    assert "\n--overwrite\n" in listing
     for key in ("draft.from_target_layers", "loss.kind", "onpolicy.fraction", "optim.warmup_steps",
                 "train.checkpoint_every", "data.store_topk", "eval.num_draft_tokens"):
         assert f"\n{key}:" in listing
@@ -134,13 +136,6 @@ def test_onpolicy_draws_are_per_step_and_reproducible():
 
 
 # ----------------------------------------------------------------------------- a whole run
-
-
-@pytest.fixture(scope="module")
-def distilled(assets, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("distilled") / "run"
-    assert load_recipe().main(recipe_args(assets, out)) == 0
-    return out
 
 
 def brute_force_tau(target, draft, prompt: list[int], k: int, max_new: int) -> tuple[int, int]:
@@ -247,7 +242,7 @@ def test_onpolicy_and_stored_topk_batches_train(assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(assets, tmp_path):
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(assets, tmp_path, capfd):
     common = ["train.max_steps=30", "train.checkpoint_every=5", "train.keep_checkpoints=3", "train.eval_every=1",
               "train.log_every=1", "eval.num_prompts=4"]
     whole = tmp_path / "whole"
@@ -257,6 +252,15 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(assets, tmp
     proc = subprocess.Popen([sys.executable, str(RECIPE), *recipe_args(assets, out, *common)], env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
+    lock = out / ".lock"
+    while not (lock.is_file() and lock.read_text().strip() == str(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never took its lock"
+        time.sleep(0.01)
+    # While it runs, the output directory is its own: a second run is refused, naming its pid.
+    capfd.readouterr()
+    assert load_recipe().main(recipe_args(assets, out, *common)) == 2
+    assert [line for line in capfd.readouterr().err.splitlines() if line.strip()] == [
+        f"error: {out} is in use by another run (pid {proc.pid}); wait for it to end, or pick another output_dir"]
     while not (out / "checkpoints" / "step-10").is_dir():
         assert proc.poll() is None, "the run ended before it could be interrupted"
         assert time.monotonic() < deadline, "no checkpoint appeared"
@@ -268,11 +272,13 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(assets, tmp
     partial = out / "checkpoints" / ".step-25.tmp"
     partial.mkdir(exist_ok=True)
     (partial / "model.safetensors").write_bytes(b"half a file")
+    (out / ".best.x1y2.tmp").mkdir()
 
     resumed = run_python_recipe(recipe_args(assets, out, *common))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout
-    assert not partial.exists()
+    assert f"locked by a run (pid {proc.pid}) that ended without releasing it" in resumed.stdout  # taken over
+    assert not partial.exists() and not (out / ".best.x1y2.tmp").exists()
     for name in ("final", "checkpoints/step-30"):
         assert_same_weights(load_weights(out / name), load_weights(whole / name), rtol=1e-6, atol=1e-7)
     assert json.loads((out / "eval" / "final.json").read_text())["tau"] == \
