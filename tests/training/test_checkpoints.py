@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from test_trainer import Crash, collate, held_out_tau, mse, read_log, reset_accelerate, run, toy_dataset, toy_model
+from test_trainer import Crash, held_out_tau, mse, read_log, reset_accelerate, run, toy_model
 from training_helpers import subprocess_env
 
 from drafttrain.errors import UserError
