@@ -14,7 +14,8 @@ from tiny import greedy_reference, tiny_lm
 from drafttrain.decoding.medusa import MedusaDecoder
 from drafttrain.decoding.sampling import probabilities
 from drafttrain.errors import UserError
-from drafttrain.heads import DEFAULT_TREE, MedusaConfig, MedusaHeads, build_tree_buffers, chain_tree, default_tree
+from drafttrain.decoding.tree import build_tree_buffers
+from drafttrain.heads import DEFAULT_TREE, MedusaConfig, MedusaHeads, chain_tree, default_tree
 
 PROMPTS = [[5, 9, 13, 7, 5, 9], [40], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]]
 MAX_NEW = 25
