@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..errors import UserError
-from .sampling import probabilities
+from .sampling import probabilities, sample
 from .static import StaticLM
 
 
@@ -94,7 +94,7 @@ class BatchGenerator:
             if temperature == 0:
                 token = last.argmax(dim=-1)
             else:
-                token = torch.multinomial(probabilities(last, temperature, top_p), 1, generator=generator).view(-1)
+                token = sample(probabilities(last, temperature, top_p), generator)
             if topk:
                 logprobs = last.to(torch.promote_types(last.dtype, torch.float32)).log_softmax(-1)
                 values, ids = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)

@@ -148,7 +148,8 @@ def MedusaDecoder(target, heads: MedusaHeads, *, tree: list[Path] | None = None,
     if temperature > 0:
         proposer = MedusaProposer(heads, lm.num_layers, lm.device, temperature, top_p, generator)
         return SpeculativeDecoder(lm, proposer, num_draft_tokens=buffers.max_depth, temperature=temperature,
-                                  top_p=top_p, eos_token_ids=eos_token_ids, generator=generator)
+                                  top_p=top_p, eos_token_ids=eos_token_ids, generator=generator,
+                                  record_margins=record_margins)
     if buffers.paths != chain_tree(buffers.max_depth) and not lm.supports_trees:
         attn = getattr(lm.model.config, "_attn_implementation", None)
         raise UserError(f"tree decoding needs an attention kernel that accepts custom masks, but the target "

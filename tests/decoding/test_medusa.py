@@ -201,6 +201,21 @@ def test_rejects_bad_trees_and_heads(target):
         MedusaDecoder(target, other)
 
 
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_tree_margins_are_the_targets_top2_gap(target, engine):
+    """Each emitted token's margin equals top-1 minus top-2 of a full forward over its prefix."""
+    prompt = PROMPTS[2]
+    decoder = MedusaDecoder(on_engine(target, engine), noisy_heads(target, 4), record_margins=True)
+    gen = decoder.generate(prompt, 14)
+    assert len(gen.margins) == len(gen.tokens) == 14 and sum(gen.accepted_lengths) > 0
+    for i in range(len(gen.tokens)):
+        with torch.no_grad():
+            top2 = target(torch.tensor([prompt + gen.tokens[:i]])).logits[0, -1].topk(2).values
+        assert gen.margins[i] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
+    with pytest.raises(ValueError, match="greedy"):
+        MedusaDecoder(target, noisy_heads(target, 2), temperature=1.0, record_margins=True)
+
+
 # --- sampling --------------------------------------------------------------------------------
 
 
