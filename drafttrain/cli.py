@@ -9,11 +9,11 @@ from .errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import assets, comparison, evaluation, preflight
+    from . import assets, bench, comparison, evaluation, preflight
 
     parser = Parser(prog="drafttrain", description="Train drafters for speculative decoding and measure them.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (evaluation, comparison, preflight, assets):
+    for module in (evaluation, comparison, preflight, assets, bench):
         module.add_cli(sub)
     return parser
 

@@ -34,7 +34,8 @@ def target_fingerprint(model_path_or_name: str, model, n_values: int = 1024) -> 
     return h.hexdigest()
 
 
-def cache_key(fingerprint: str, prompts: Sequence[Sequence[int]], cfg: DataConfig, eos_ids: Sequence[int]) -> str:
+def cache_key(fingerprint: str, prompts: Sequence[Sequence[int]], cfg: DataConfig, eos_ids: Sequence[int],
+              engine: str = "eager") -> str:
     sampling = cfg.response_temperature > 0
     settings = {
         "format": CACHE_FORMAT,
@@ -50,6 +51,8 @@ def cache_key(fingerprint: str, prompts: Sequence[Sequence[int]], cfg: DataConfi
     }
     if cfg.store_topk and cfg.prompt_loss_weight > 0:
         settings["prompt_topk"] = True  # added only when set, so caches without it keep their keys
+    if sampling and engine == "static":
+        settings["engine"] = "static"  # the same seed draws different samples on another engine
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for ids in prompts:
         h.update(json.dumps(list(ids)).encode())
@@ -66,22 +69,29 @@ def generate_responses(
     eos_token_id: int | Sequence[int],
     cache_dir: str | Path | None = None,
     target_fingerprint: str,
+    engine: str = "auto",
 ):
     """Rows `prompt_ids`, `response_ids` (ending with EOS when the target stopped) and, if
     `cfg.store_topk` > 0, `topk_ids` / `topk_logprobs` of shape [len(response), k]: the target's
     top-k log-softmax (temperature 1) at each response position. With `cfg.prompt_loss_weight` > 0
     too, `prompt_topk_ids` / `prompt_topk_logprobs` [len(prompt) - 1, k] hold the target's top-k at
-    prompt positions 0 .. len(prompt) - 2 (predicting prompt tokens 1 ..). Row i answers records[i]."""
+    prompt positions 0 .. len(prompt) - 2 (predicting prompt tokens 1 ..). Row i answers records[i].
+    `engine`: auto (the static engine's batched generation on CUDA for the architectures it
+    supports, else transformers' `generate`), eager (`generate`) or static."""
     import datasets
 
+    from ..decoding import resolve_engine
+
     cfg.validate()
+    engine = resolve_engine(engine, target_model)
     eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
     prompts = [encode_prompt(r, tokenizer) for r in records]
-    path = Path(cache_dir or cfg.cache_dir) / cache_key(target_fingerprint, prompts, cfg, eos_ids)
+    path = Path(cache_dir or cfg.cache_dir) / cache_key(target_fingerprint, prompts, cfg, eos_ids, engine)
     if path.is_dir():  # only complete datasets are ever renamed into place
         return datasets.load_from_disk(str(path))
 
-    responses, topk_ids, topk_logprobs, prompt_cols = _generate_all(target_model, tokenizer, prompts, cfg, eos_ids)
+    responses, topk_ids, topk_logprobs, prompt_cols = _generate_all(target_model, tokenizer, prompts, cfg, eos_ids,
+                                                                    engine)
     List = getattr(datasets, "List", None) or datasets.Sequence  # `List` since datasets 4
     columns = {"prompt_ids": prompts, "response_ids": responses}
     features = {"prompt_ids": List(datasets.Value("int32")), "response_ids": List(datasets.Value("int32"))}
@@ -108,7 +118,7 @@ def generate_responses(
 
 
 @torch.inference_mode()
-def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]):
+def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int], engine: str = "eager"):
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
@@ -130,6 +140,12 @@ def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]
     # Longest first: similar lengths share a batch (little padding) and an out-of-memory shows up at once.
     order = sorted(range(n), key=lambda i: -len(prompts[i]))
     bs = cfg.generation_batch_size
+    static = None
+    if engine == "static" and prompts:
+        from ..decoding.batch import BatchGenerator
+
+        longest = max(map(len, prompts))
+        static = BatchGenerator(model, batch_size=min(bs, n), max_length=longest + cfg.max_response_tokens)
     rng_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(cfg.seed)
@@ -139,13 +155,18 @@ def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]
             if with_prompt_topk:
                 for row, (ids, lps) in enumerate(prompt_topk(model, input_ids, attention_mask, k)):
                     prompt_ids_k[idx[row]], prompt_logprobs_k[idx[row]] = ids, lps
-            out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.max_response_tokens,
-                eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
-                output_logits=k > 0, **sample_kwargs,
-            )
-            new_tokens = out.sequences[:, input_ids.shape[1]:].tolist()
-            if k:
+            if static is not None:
+                new_tokens, values, indices = static.generate(
+                    input_ids, attention_mask, max_new_tokens=cfg.max_response_tokens, eos_token_ids=eos_ids,
+                    temperature=cfg.response_temperature, top_p=cfg.response_top_p, topk=k)
+            else:
+                out = model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.max_response_tokens,
+                    eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
+                    output_logits=k > 0, **sample_kwargs,
+                )
+                new_tokens = out.sequences[:, input_ids.shape[1]:].tolist()
+            if k and static is None:
                 logits = torch.stack(out.logits, dim=1)  # [B, steps, V], unprocessed
                 logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
                 values, indices = logprobs.topk(k, dim=-1)

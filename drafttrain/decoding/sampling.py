@@ -27,9 +27,15 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) 
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `probs` [..., V] -> [...]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    """One token per row of `probs` [..., V] -> [...].
+
+    argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i (the exponential race;
+    `torch.multinomial` draws one sample the same way), but without multinomial's validity check,
+    which copies to the host: on CUDA a sampling step keeps its single host sync.
+    """
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)  # an exact 0 would turn p = 0 into nan, which argmax picks
+    return (probs / race).argmax(dim=-1)
 
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:

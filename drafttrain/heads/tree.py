@@ -1,27 +1,14 @@
-"""Static candidate trees: verify many Medusa continuations in ONE target forward pass.
+"""Medusa candidate trees as data: which top-k choices of which heads a step verifies.
 
 A tree is a list of paths, Medusa style: each path is a tuple of top-k choice indices, one per
 depth, e.g. (0, 1) = "head 0's top-1 token, then head 1's top-2 token". Every prefix of a path
-must be in the tree too. Node 0 is the root: the target's own next token (already verified).
-A node at depth d takes its token from head d-1, so the tree needs `max_depth` heads.
-
-Node order is Medusa's: root, then paths sorted by (depth, path). Siblings therefore never
-precede their parent, and the tree's node n sits at cache position `past_len + n` while
-attending only to the prefix and its own ancestors (`tree_attention_inputs`).
-
-Mask convention (transformers 5.x, Llama and friends): a 4-D `attention_mask` tensor is handed
-to the attention kernel as-is (`masking_utils._preprocess_mask_arguments` returns early). The
-eager kernel ADDS it to the scores and SDPA accepts it too, so it must be an additive float
-mask in the model's dtype, shape [batch, 1, q_len, past_len + q_len]: 0 = may attend,
-`torch.finfo(dtype).min` = blocked. A bool mask would be added as 0/1 by the eager kernel, so
-it is not used here. flash_attention_* ignore custom masks: use "sdpa" or "eager".
+must be in the tree too. A node at depth d takes its token from head d-1, so the tree needs
+`max_depth` heads. This module chooses trees (the default, a chain, one calibrated from measured
+head accuracies); running them (tree buffers, masks, acceptance, cache compaction) is the
+decoder's job, in `drafttrain.decoding.tree`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, fields
-
-import torch
 
 Path = tuple[int, ...]
 
@@ -86,45 +73,9 @@ def chain_tree(depth: int) -> list[Path]:
     return [(0,) * d for d in range(1, depth + 1)]
 
 
-@dataclass
-class TreeBuffers:
-    """Index tensors describing one tree; node 0 is the root. Build with `build_tree_buffers`."""
-
-    paths: list[Path]               # sorted; node n >= 1 is paths[n - 1]
-    attention_mask: torch.Tensor    # [N, N] bool: node attends to itself and its ancestors
-    depths: torch.Tensor            # [N] long: root 0; also the position offset of each node
-    parent: torch.Tensor            # [N] long: parent node index, -1 for the root
-    head_index: torch.Tensor        # [N] long: which head gives the node's token (depth - 1), -1 root
-    topk_index: torch.Tensor        # [N] long: which of that head's top-k tokens, -1 root
-    retrieve_indices: torch.Tensor  # [num_leaves, max_depth + 1] long: root-to-leaf node paths, -1 pad
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.paths) + 1
-
-    @property
-    def max_depth(self) -> int:
-        """Number of heads the tree needs."""
-        return max((len(p) for p in self.paths), default=0)
-
-    @property
-    def topk(self) -> int:
-        """How many top-k tokens per head the tree reads."""
-        return max((i + 1 for p in self.paths for i in p), default=0)
-
-    @property
-    def position_offsets(self) -> torch.Tensor:
-        return self.depths
-
-    def to(self, device: torch.device | str) -> "TreeBuffers":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, torch.Tensor):
-                moved[name] = value.to(device)
-        return TreeBuffers(**moved)
-
-
-def build_tree_buffers(paths) -> TreeBuffers:
+def check_paths(paths) -> list[Path]:
+    """Validate a tree (non-empty tuples of non-negative ints, unique, prefix-closed) and return
+    its paths in Medusa's node order: sorted by (depth, path)."""
     paths = [tuple(p) for p in paths]
     for p in paths:
         if not p or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in p):
@@ -135,110 +86,12 @@ def build_tree_buffers(paths) -> TreeBuffers:
     for p in paths:
         if len(p) > 1 and p[:-1] not in known:
             raise ValueError(f"tree path {p!r} has no parent {p[:-1]!r} in the tree")
-
-    paths = sorted(paths, key=lambda p: (len(p), p))
-    node_of = {p: n for n, p in enumerate(paths, start=1)}
-    node_of[()] = 0
-    N = len(paths) + 1
-
-    parent = torch.full((N,), -1, dtype=torch.long)
-    depths = torch.zeros(N, dtype=torch.long)
-    head_index = torch.full((N,), -1, dtype=torch.long)
-    topk_index = torch.full((N,), -1, dtype=torch.long)
-    mask = torch.eye(N, dtype=torch.bool)
-    mask[:, 0] = True
-    for p, n in node_of.items():
-        if not p:
-            continue
-        parent[n] = node_of[p[:-1]]
-        depths[n] = len(p)
-        head_index[n] = len(p) - 1
-        topk_index[n] = p[-1]
-        for d in range(1, len(p)):
-            mask[n, node_of[p[:d]]] = True
-
-    # Root-to-leaf paths in lexicographic (depth-first) order: [0, n1, n2, ..., -1 padding].
-    is_parent = set(p[:-1] for p in paths)
-    leaves = sorted((p for p in [(), *paths] if p not in is_parent))
-    width = max((len(p) for p in paths), default=0) + 1
-    retrieve = torch.full((len(leaves), width), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        for d in range(len(leaf) + 1):
-            retrieve[row, d] = node_of[leaf[:d]]
-
-    return TreeBuffers(paths=paths, attention_mask=mask, depths=depths, parent=parent,
-                       head_index=head_index, topk_index=topk_index, retrieve_indices=retrieve)
+    return sorted(paths, key=lambda p: (len(p), p))
 
 
-def tree_candidates(root_token, head_topk_tokens: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
-    """The token of every node, LongTensor [N]: the root token, then head_topk_tokens[depth-1, k]."""
-    num_heads, k = head_topk_tokens.shape
-    if num_heads < buffers.max_depth or k < buffers.topk:
-        raise ValueError(f"the tree needs top-{buffers.topk} tokens from {buffers.max_depth} heads, "
-                         f"got top-{k} from {num_heads}")
-    heads = buffers.head_index.to(head_topk_tokens.device)
-    ranks = buffers.topk_index.to(head_topk_tokens.device)
-    tokens = torch.empty(buffers.num_nodes, dtype=torch.long, device=head_topk_tokens.device)
-    tokens[0] = torch.as_tensor(root_token).reshape(())
-    tokens[1:] = head_topk_tokens[heads[1:], ranks[1:]]
-    return tokens
+def build_tree_buffers(paths):
+    """Deprecated here: `drafttrain.decoding.tree.build_tree_buffers` (kept until evaluation
+    imports it from there; to only validate a tree, use `check_paths`)."""
+    from ..decoding.tree import build_tree_buffers as build
 
-
-def greedy_accept_tree(candidate_tokens: torch.Tensor, target_argmax: torch.Tensor,
-                       buffers: TreeBuffers) -> tuple[list[int], list[int], int]:
-    """Longest root-to-leaf prefix the target agrees with.
-
-    target_argmax[n] is the target's greedy token after the root..n path. A node is accepted when
-    its token equals target_argmax[its parent] and its parent is accepted. Returns the accepted
-    node indices (root first), their draft tokens (root excluded) and the bonus token, the
-    target's argmax at the last accepted node. Equally long paths: the first in retrieve order.
-    """
-    idx = buffers.retrieve_indices.to(candidate_tokens.device)
-    valid = idx >= 0
-    safe = idx.clamp(min=0)
-    cand = candidate_tokens[safe]                       # [P, D+1]
-    pred = target_argmax.to(candidate_tokens.device)[safe]
-    match = (cand[:, 1:] == pred[:, :-1]) & valid[:, 1:]
-    accept_len = match.long().cumprod(dim=1).sum(dim=1)  # draft tokens accepted per path
-    best = int(torch.argmax(accept_len))                 # first maximum
-    n_acc = int(accept_len[best])
-    nodes = idx[best, : n_acc + 1].tolist()
-    tokens = candidate_tokens[nodes[1:]].tolist() if n_acc else []
-    bonus = int(target_argmax[nodes[-1]])
-    return nodes, tokens, bonus
-
-
-def tree_attention_inputs(buffers: TreeBuffers, past_len: int, device=None,
-                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Additive mask [1, 1, N, past_len + N] and position ids [1, N] for a tree forward pass.
-
-    Node n sees every cached position and its tree ancestors, and sits at position
-    past_len + depth(n) (siblings share a position, exactly as if each path were decoded alone).
-    """
-    N = buffers.num_nodes
-    allowed = torch.cat([torch.ones(N, past_len, dtype=torch.bool), buffers.attention_mask.cpu()], dim=1)
-    mask = torch.zeros(N, past_len + N, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    position_ids = (buffers.depths.cpu() + past_len).unsqueeze(0)
-    return mask[None, None].to(device), position_ids.to(device)
-
-
-def compact_cache(cache, past_len: int, keep_node_indices) -> None:
-    """Keep the prefix and only the kept tree nodes' KV entries, in place, in the given order.
-
-    After a tree pass the cache holds past_len + N entries; the accepted path's entries are at
-    past_len + node. Gathering them makes the cache identical to one built by decoding the
-    accepted tokens one after another (their positions are past_len + depth = past_len + i).
-    """
-    keep = torch.as_tensor(list(keep_node_indices), dtype=torch.long)
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False) or hasattr(layer, "cumulative_length"):
-            raise NotImplementedError("compact_cache supports full-attention DynamicCache layers only")
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue  # uninitialised layer (e.g. KV sharing)
-        if keep.numel() and (int(keep.min()) < 0 or past_len + int(keep.max()) >= layer.keys.shape[-2]):
-            raise ValueError(f"node indices {keep.tolist()} out of range for a cache of "
-                             f"{layer.keys.shape[-2]} entries with past_len={past_len}")
-        index = torch.cat([torch.arange(past_len), past_len + keep]).to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, index)
-        layer.values = layer.values.index_select(-2, index)
+    return build(paths)

@@ -8,13 +8,15 @@ import random
 
 import pytest
 import torch
+from engines import ENGINES, on_engine, ready
 from test_sampling import V, chi2_pvalue, exact_two_token_distribution
 from tiny import greedy_reference, tiny_lm
 
 from drafttrain.decoding.medusa import MedusaDecoder
 from drafttrain.decoding.sampling import probabilities
 from drafttrain.errors import UserError
-from drafttrain.heads import DEFAULT_TREE, MedusaConfig, MedusaHeads, build_tree_buffers, chain_tree, default_tree
+from drafttrain.decoding.tree import build_tree_buffers
+from drafttrain.heads import DEFAULT_TREE, MedusaConfig, MedusaHeads, chain_tree, default_tree
 
 PROMPTS = [[5, 9, 13, 7, 5, 9], [40], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]]
 MAX_NEW = 25
@@ -112,10 +114,11 @@ TREES = {
 }
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("heads_kind", ["noisy", "planted", "perfect"])
-def test_greedy_equals_generate_at_length_limit(target, heads_kind, tree, num_heads):
+def test_greedy_equals_generate_at_length_limit(target, heads_kind, tree, num_heads, engine):
     total_accepted = 0
     for p, prompt in enumerate(PROMPTS):
         ref = reference(target, prompt, MAX_NEW)
@@ -126,7 +129,7 @@ def test_greedy_equals_generate_at_length_limit(target, heads_kind, tree, num_he
             text = prompt + reference(target, prompt, MAX_NEW + 8)
             ranks = planted_ranks(len(text), num_heads, seed=p, perfect=heads_kind == "perfect")
             heads = PlantedHeads(target, num_heads, text, ranks)
-        decoder = MedusaDecoder(target, heads, tree=paths)
+        decoder = ready(MedusaDecoder(on_engine(target, engine), heads, tree=paths), engine)
         k = decoder.num_draft_tokens
         assert k == min(num_heads, 4 if tree == "default" else 2 if tree == "wide" else num_heads)
         gen = decoder.generate(prompt, MAX_NEW)
@@ -141,11 +144,12 @@ def test_greedy_equals_generate_at_length_limit(target, heads_kind, tree, num_he
         assert total_accepted > 0
 
 
-def test_perfect_heads_accept_full_depth(target):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_perfect_heads_accept_full_depth(target, engine):
     prompt = PROMPTS[0]
     text = prompt + reference(target, prompt, 40)
     heads = PlantedHeads(target, 4, text, planted_ranks(len(text), 4, 0, perfect=True))
-    gen = MedusaDecoder(target, heads).generate(prompt, 21)  # 4 steps of 5 tokens, then 1
+    gen = ready(MedusaDecoder(on_engine(target, engine), heads), engine).generate(prompt, 21)  # 4 steps of 5, then 1
     assert gen.accepted_lengths == [4, 4, 4, 4, 0]
     assert gen.proposed_lengths == [4, 4, 4, 4, 0]
     assert gen.step_tokens == [5, 5, 5, 5, 1]
@@ -153,9 +157,10 @@ def test_perfect_heads_accept_full_depth(target):
     assert len(gen.tokens) / len(gen.accepted_lengths) == 21 / 5
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("tree", ["default", "chain"])
 @pytest.mark.parametrize("heads_kind", ["noisy", "perfect"])
-def test_greedy_stops_at_eos_like_generate(target, heads_kind, tree):
+def test_greedy_stops_at_eos_like_generate(target, heads_kind, tree, engine):
     for p, prompt in enumerate(PROMPTS):
         free = reference(target, prompt, 30)
         for eos in {free[3], free[11]}:  # an EOS reached early, and one inside a later step
@@ -166,7 +171,8 @@ def test_greedy_stops_at_eos_like_generate(target, heads_kind, tree):
             else:
                 text = prompt + reference(target, prompt, 38)
                 heads = PlantedHeads(target, 4, text, planted_ranks(len(text), 4, p, perfect=True))
-            decoder = MedusaDecoder(target, heads, tree=TREES[tree](4), eos_token_ids={eos})
+            decoder = ready(MedusaDecoder(on_engine(target, engine), heads, tree=TREES[tree](4), eos_token_ids={eos}),
+                            engine)
             gen = decoder.generate(prompt, 30)
             assert gen.tokens == ref
             check_bookkeeping(gen, 4)
@@ -195,6 +201,21 @@ def test_rejects_bad_trees_and_heads(target):
         MedusaDecoder(target, other)
 
 
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_tree_margins_are_the_targets_top2_gap(target, engine):
+    """Each emitted token's margin equals top-1 minus top-2 of a full forward over its prefix."""
+    prompt = PROMPTS[2]
+    decoder = MedusaDecoder(on_engine(target, engine), noisy_heads(target, 4), record_margins=True)
+    gen = decoder.generate(prompt, 14)
+    assert len(gen.margins) == len(gen.tokens) == 14 and sum(gen.accepted_lengths) > 0
+    for i in range(len(gen.tokens)):
+        with torch.no_grad():
+            top2 = target(torch.tensor([prompt + gen.tokens[:i]])).logits[0, -1].topk(2).values
+        assert gen.margins[i] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
+    with pytest.raises(ValueError, match="greedy"):
+        MedusaDecoder(target, noisy_heads(target, 2), temperature=1.0, record_margins=True)
+
+
 # --- sampling --------------------------------------------------------------------------------
 
 
@@ -209,13 +230,14 @@ def far_heads(target, num_heads, seed=3):
 
 
 # A one-token prompt leaves nothing for the heads to read: its first token is sampled plainly.
+@pytest.mark.parametrize("engine", ["eager", "static"])
 @pytest.mark.parametrize("temperature,top_p,prompt", [(1.0, 1.0, [1, 3, 1, 3, 1]), (0.8, 0.9, [3])])
-def test_sampled_text_follows_target_distribution(temperature, top_p, prompt):
+def test_sampled_text_follows_target_distribution(temperature, top_p, prompt, engine):
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)
     heads = far_heads(target, 2)
     exact = exact_two_token_distribution(target, prompt, temperature, top_p)
     g = torch.Generator().manual_seed(1234)
-    decoder = MedusaDecoder(target, heads, temperature=temperature, top_p=top_p, generator=g)
+    decoder = MedusaDecoder(on_engine(target, engine), heads, temperature=temperature, top_p=top_p, generator=g)
     assert decoder.num_draft_tokens == 2
     n, counts, accepted, forwards = 2000, {}, 0, 0
     for _ in range(n):  # one seeded generator: repeated prompts must give independent samples
@@ -237,13 +259,14 @@ def test_sampled_text_follows_target_distribution(temperature, top_p, prompt):
     assert chi2_pvalue(counts, leak, n) < 1e-6
 
 
-def test_sampling_same_seed_same_samples():
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_sampling_same_seed_same_samples(engine):
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)
     heads = far_heads(target, 3)
 
     def run():
         g = torch.Generator().manual_seed(5)
-        dec = MedusaDecoder(target, heads, temperature=1.0, generator=g)
+        dec = MedusaDecoder(on_engine(target, engine), heads, temperature=1.0, generator=g)
         return [dec.generate([1, 2, 3], 12).tokens for _ in range(6)]
 
     first, second = run(), run()

@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from engines import on_engine
 from scipy.stats import chisquare
 from tiny import tiny_lm
 
@@ -123,18 +124,19 @@ def exact_two_token_distribution(target, prompt, temperature, top_p):
     return out
 
 
+@pytest.mark.parametrize("engine", ["eager", "static"])
 @pytest.mark.parametrize("proposer,temperature,top_p", [("draft", 1.0, 1.0), ("draft", 0.8, 0.9),
                                                         ("ngram", 1.0, 1.0)])
-def test_sampled_text_follows_target_distribution(proposer, temperature, top_p):
+def test_sampled_text_follows_target_distribution(proposer, temperature, top_p, engine):
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)
     far_draft = tiny_lm(3, vocab_size=V, sharpness=6.0)
     prompt = [1, 3, 1, 3, 1]  # repetitive, so n-gram lookup proposes too
     exact = exact_two_token_distribution(target, prompt, temperature, top_p)
     g = torch.Generator().manual_seed(1234)
-    prop = (DraftModelProposer(far_draft, V, temperature, top_p, g) if proposer == "draft"
+    prop = (DraftModelProposer(on_engine(far_draft, engine), V, temperature, top_p, g) if proposer == "draft"
             else NgramProposer(torch.device("cpu")))
-    decoder = SpeculativeDecoder(target, prop, num_draft_tokens=3, temperature=temperature, top_p=top_p,
-                                 generator=g)
+    decoder = SpeculativeDecoder(on_engine(target, engine), prop, num_draft_tokens=3, temperature=temperature,
+                                 top_p=top_p, generator=g)
     n, counts, accepted = 2000, {}, 0
     for _ in range(n):  # one seeded generator: repeated prompts must give independent samples
         gen = decoder.generate(prompt, 3)
@@ -150,13 +152,14 @@ def test_sampled_text_follows_target_distribution(proposer, temperature, top_p):
         assert chi2_pvalue(counts, leak, n) < 1e-6
 
 
-def test_same_seed_same_samples_and_repeats_differ():
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_same_seed_same_samples_and_repeats_differ(engine):
     target, draft = tiny_lm(0, vocab_size=V, sharpness=2.0), tiny_lm(3, vocab_size=V, sharpness=2.0)
 
     def run():
         g = torch.Generator().manual_seed(5)
-        dec = SpeculativeDecoder(target, DraftModelProposer(draft, V, 1.0, 1.0, g), num_draft_tokens=3,
-                                 temperature=1.0, generator=g)
+        dec = SpeculativeDecoder(on_engine(target, engine), DraftModelProposer(on_engine(draft, engine), V, 1.0, 1.0, g),
+                                 num_draft_tokens=3, temperature=1.0, generator=g)
         return [dec.generate([1, 2, 3], 12).tokens for _ in range(6)]
 
     first, second = run(), run()

@@ -1,0 +1,104 @@
+"""Tree speculative decoding (greedy): verify a whole tree of candidates in ONE target pass.
+
+Each step a `TreeDrafter` proposes the step's candidates as a tree rooted at `pending` (a static
+tree such as Medusa's, or a new one per step such as EAGLE-2's). The target scores every node
+in one forward pass (tree mask, per-depth positions); the longest root-to-node path whose tokens
+equal the target's argmax is accepted, the cache keeps only that path (`CachedLM.keep`), and the
+target's argmax at the path's end is the bonus token, the next `pending`. The drafter is then
+told the accepted path and handed the target's hidden states along it, if it asked for any.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decoder import Decoder, Step, top2_margins
+from .lm import device_tensor
+from .tree import Tree, greedy_tree_verdict
+
+
+class TreeDrafter:
+    name = "tree"
+    hidden_layers: tuple[int, ...] = ()
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest tree it drafts: K for per-position acceptance."""
+        raise NotImplementedError
+
+    @property
+    def max_nodes(self) -> int:
+        """The largest tree it drafts, root included (the static engine's bucket)."""
+        raise NotImplementedError
+
+    def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        """A new sequence; `hidden`: the target's hidden states of prompt[:-1] (None if empty)."""
+
+    def draft(self, root: torch.Tensor, depth: int) -> tuple[torch.Tensor, Tree]:
+        """Candidate tokens [N] (node 0 = `root`, the pending token) and their tree, at most
+        `depth` deep (on the target's device)."""
+        raise NotImplementedError
+
+    def commit(self, nodes: list[int], accepted: list[int], bonus: int, hidden: torch.Tensor | None = None) -> None:
+        """The accepted path (node indices, root first), its draft tokens, the bonus token, and the
+        target's hidden states at the path's nodes ([len(nodes), D])."""
+
+    def warmup(self) -> float:
+        return 0.0
+
+
+class TreeDecoder(Decoder):
+    name = "tree"
+
+    def __init__(self, target, drafter: TreeDrafter, *, eos_token_ids: set[int] = frozenset(),
+                 record_margins: bool = False):
+        super().__init__(target, eos_token_ids=eos_token_ids, record_margins=record_margins)
+        self.drafter = drafter
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.drafter.max_depth
+
+    @property
+    def num_tree_nodes(self) -> int:
+        return self.drafter.max_nodes
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.drafter.hidden_layers)
+
+    @property
+    def tree(self):
+        """The drafter's static tree as Medusa paths (None for a drafter without one)."""
+        return getattr(self.drafter, "paths", None)
+
+    def step_sizes(self) -> list[int]:
+        return sorted({1, self.drafter.max_nodes})
+
+    def warmup(self) -> float:
+        seconds = self.target.warmup(self.step_sizes(), hidden_layers=self.hidden_layers,
+                                     keep_width=self.drafter.max_depth + 1)
+        return seconds + self.drafter.warmup()
+
+    def _start(self, prompt, hidden):
+        self.drafter.reset(prompt, hidden)
+
+    def _step(self, budget: int) -> Step:
+        # At most `depth` drafts + 1 target token per step: never draft past the budget.
+        depth = min(self.drafter.max_depth, budget - 1)
+        tokens, tree = self.drafter.draft(self.pending, depth)
+        past = self.target.length
+        logits, hidden = self.target.forward(tokens, tree=tree, hidden_layers=self.hidden_layers)
+        verdict = greedy_tree_verdict(logits.argmax(dim=-1), tokens, tree)
+        n_nodes = tokens.numel()
+        values = (torch.cat([verdict.double(), top2_margins(logits)]) if self.record_margins else verdict).tolist()
+        best = int(values[0])  # the one host sync of the step is above
+        argmax = values[1:1 + n_nodes]
+        nodes = tree.path_to(best)
+        self.target.keep(past, nodes)
+        kept = hidden.index_select(0, device_tensor(nodes, self.device)) if hidden is not None else None
+        accepted = [int(argmax[p]) for p in nodes[:-1]]
+        self.drafter.commit(nodes, accepted, int(argmax[best]), hidden=kept)
+        self.pending = verdict[1 + best:2 + best]  # stays on the device
+        margins = [values[1 + n_nodes + p] for p in nodes] if self.record_margins else None
+        return Step(accepted=accepted, bonus=int(argmax[best]), proposed=tree.max_depth, margins=margins)

@@ -1,0 +1,126 @@
+"""`drafttrain bench` on a tiny random model (CPU): the files it writes, the internal consistency
+of its figures (never the speeds themselves), and one `error:` line for bad input."""
+
+from __future__ import annotations
+
+import json
+from statistics import median
+
+import pytest
+from tiny import save_pair, tiny_lm, tiny_tokenizer
+
+from drafttrain.cli import main
+
+K = 2
+MAX_NEW = 10
+
+
+def run(tmp_path, *extra, out="bench"):
+    argv = ["bench", "--device", "cpu", "--max-new-tokens", str(MAX_NEW), "--num-draft-tokens", str(K),
+            "--repeats", "2", "--oracle-alpha", "0,0.6,1", "--quiet", "--out", str(tmp_path / out), *extra]
+    return main(argv)
+
+
+def check_summary(s):
+    assert s["min"] <= s["median"] <= s["max"]
+    assert s["median"] == pytest.approx(median(s["runs"]))
+
+
+def test_bench_figures_are_consistent(tmp_path):
+    assert run(tmp_path, "--shape", "tiny", "--num-prompts", "2", "--prompt-length", "9") == 0
+    out = tmp_path / "bench"
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md", "bench.png"]
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    b = json.loads((out / "bench.json").read_text())
+
+    # Roofline: the bytes one decode step reads over the measured bandwidth.
+    check_summary(b["bandwidth"]["seconds"])
+    assert b["bandwidth"]["bytes_per_s"] == pytest.approx(b["bandwidth"]["bytes"] / b["bandwidth"]["seconds"]["median"])
+    m = b["model"]
+    assert not m["tied_embeddings"] and m["read_per_step_bytes"] == m["parameters_bytes"] - 512 * 64 * 4
+    assert b["roofline_tokens_per_s"] == pytest.approx(b["bandwidth"]["bytes_per_s"] / m["read_per_step_bytes"])
+
+    plain = b["plain_decoding"]
+    assert set(plain) == {"drafttrain eager", "drafttrain static", "transformers dynamic cache",
+                          "transformers static cache + compile"}
+    assert "CUDA only" in plain["transformers static cache + compile"]["skipped"]
+    for r in plain.values():
+        if "tokens_per_s" in r:
+            check_summary(r["tokens_per_s"])
+            assert r["fraction_of_roofline"] == pytest.approx(r["tokens_per_s"]["median"] / b["roofline_tokens_per_s"])
+    assert b["outputs"]["all_equal"] is True  # float32, same greedy text on both engines
+
+    engine = b["config"]["engine_resolved"]
+    assert engine == "eager"  # auto on CPU
+    rows = b["forward"]["rows"]
+    assert [(r["tokens"], r["kind"]) for r in rows] == [(n, "chain") for n in range(1, K + 2)] + [(23, "tree")]
+    one = rows[0]["seconds"]["median"]
+    for r in rows:
+        check_summary(r["seconds"])
+        assert r["ratio_to_one_token"] == pytest.approx(r["seconds"]["median"] / one)
+    cost = rows[K]["ratio_to_one_token"]
+
+    base = plain[f"drafttrain {engine}"]["tokens_per_s"]["median"]
+    oracle = {r["alpha"]: r for r in b["oracle"]["rows"]}
+    assert set(oracle) == {0.0, 0.6, 1.0} and b["oracle"]["k"] == K
+    for alpha, r in oracle.items():
+        predicted = K + 1 if alpha == 1 else (1 - alpha ** (K + 1)) / (1 - alpha)
+        assert r["predicted_speedup"] == pytest.approx(predicted)
+        assert r["measured_speedup"] == pytest.approx(r["tokens_per_s"]["median"] / base)
+        assert r["efficiency"] == pytest.approx(r["measured_speedup"] / predicted)
+        assert r["predicted_speedup_with_cost"] == pytest.approx(predicted / cost)
+        assert r["outputs_match_plain"] is True
+    # alpha 1 accepts every draft: 10 tokens per prompt in steps of 3, 3, 3, 1; alpha 0 none.
+    assert oracle[1.0]["acceptance"] == 1.0 and oracle[1.0]["tau"] == pytest.approx(10 / 4)
+    assert oracle[0.0]["acceptance"] == 0.0 and oracle[0.0]["tau"] == 1.0
+
+    md = (out / "bench.md").read_text()
+    for text in ("## Roofline", "## Plain decoding", "## One forward", "## Oracle speculation", "bench.png",
+                 f"{b['roofline_tokens_per_s']:,.1f}", "skipped: transformers compiles"):
+        assert text in md
+
+
+def test_bench_on_a_model_directory_with_a_prompt_file(tmp_path):
+    target = save_pair(tmp_path / "target", tiny_lm(0), tiny_tokenizer())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w5 w9 w13 w7"}\n{"turns": ["w20 w21"]}\n{"prompt": "w30"}\n')
+    assert run(tmp_path, "--target", target, "--prompts", str(prompts), "--limit", "2", "--engine", "static",
+               "--no-hf-generate", "--dtype", "float64") == 0
+    b = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert b["config"]["num_prompts"] == 2 and b["model"]["dtype"] == "float64"
+    assert b["forward"]["engine"] == b["oracle"]["engine"] == "static"
+    assert set(b["plain_decoding"]) == {"drafttrain eager", "drafttrain static"}
+    assert b["forward"]["prompt_tokens"] == 4  # the first prompt, tokenized verbatim
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shape", "huge"], "unknown --shape 'huge'"),
+    (["--shape", "tiny", "--prompts", "x.jsonl"], "--prompts needs --target"),
+    (["--shape", "tiny", "--oracle-alpha", "0.5,1.5"], "--oracle-alpha must list acceptance rates in [0, 1]"),
+    (["--shape", "tiny", "--oracle-alpha", "half"], "not a comma-separated list"),
+    (["--shape", "tiny", "--num-draft-tokens", "0"], "--num-draft-tokens must be at least 1"),
+    (["--shape", "tiny", "--engine", "fast"], "unknown --engine 'fast'"),
+    ([], "exactly one of --target DIR and --shape"),
+    (["--target", "a", "--shape", "tiny"], "not allowed with argument"),
+])
+def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
+    try:
+        code = run(tmp_path, *args)
+    except SystemExit as e:  # argparse's own checks exit from the parser
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+    assert not (tmp_path / "bench").exists()
+
+
+def test_a_non_empty_out_is_refused_without_overwrite(tmp_path, capsys):
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "keep.txt").write_text("earlier run")
+    assert run(tmp_path, "--shape", "tiny", "--num-prompts", "1", "--prompt-length", "4") == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert run(tmp_path, "--shape", "tiny", "--num-prompts", "1", "--prompt-length", "4", "--no-hf-generate",
+               "--oracle-alpha", "0.5", "--overwrite") == 0
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md", "bench.png"]
