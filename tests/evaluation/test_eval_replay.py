@@ -5,7 +5,7 @@ import torch
 from tiny import greedy_reference, noisy_copy, tiny_lm
 
 from drafttrain.decoding import DraftModelProposer, SpeculativeDecoder
-from drafttrain.teacher_forced import chain_accepted_lengths, tau, teacher_forced_accepted_lengths
+from drafttrain.evaluation.replay import chain_accepted_lengths, tau, teacher_forced_accepted_lengths
 
 PROMPTS = [[5, 9, 13, 7, 5, 9], [40], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]]
 
