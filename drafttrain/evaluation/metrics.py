@@ -15,11 +15,12 @@ from ..decoding import Generation
 # target's top-1 and top-2 logits are closer than the rounding error of its forward pass, because
 # a verification forward over k+1 tokens and a plain 1-token forward round differently (other
 # matmul blocking, other attention kernels). The tolerance is that rounding error, generously:
-# about 2^7 units in the last place of a logit of size ~1..10 for the 16-bit formats (bf16 keeps
-# 8 significant bits, fp16 11), and far above the last place of float32/float64 (where the two
-# paths agree to ~1e-6 / ~1e-15) yet far below the O(1) margins a real disagreement has. Too
-# small a tolerance calls rounding a defect; too large hides only defects that happen to land on
-# a near-tie, which a decoder bug (that flips tokens at any margin) rarely does every time.
+# for the 16-bit formats tens of units in the last place of logits of order 1..10 (bf16 keeps 8
+# significant bits, fp16 11, hence fp16's smaller tolerance), which covers what the two paths
+# accumulate through a model's layers; for float32 and float64 far above their rounding (~1e-5 and
+# ~1e-13 on logits) and still far below the O(1) margins of a real disagreement. Too small a
+# tolerance calls rounding a defect; too large hides only defects that land on a near-tie, and a
+# decoder bug flips tokens at any margin, not only there.
 NEAR_TIE_TOLERANCE = {"float64": 1e-9, "float32": 1e-3, "float16": 0.125, "bfloat16": 0.5}
 
 

@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..models import context_length, first_line, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from ..preflight import compatibility_checks, eos_ids, require_compatible
 from ..prompts import EncodedPrompt, encode_prompts, read_prompts
-from .config import TREE_CHOICES, EvalConfig, read_tree_file, shared_settings
+from .config import EvalConfig, read_tree_file, shared_settings
 from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, defects, metrics_by_category
 
 
