@@ -207,7 +207,7 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
         f"on {env.get('device')} (torch {env.get('torch')}, transformers {env.get('transformers')}).",
     ]
     if engine:
-        lines += ["", f"Engine: {engine.get('used')} (requested {cfg.get('engine')}); compile/capture "
+        lines += ["", f"Engine: {engine.get('used')} (requested {engine.get('requested')}); compile/capture "
                       f"{_fmt(engine.get('compile_seconds'), 1)} s, not counted in tokens/s."]
     lines += [
         "",

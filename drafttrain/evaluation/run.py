@@ -280,7 +280,7 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                 rs.append(r)
 
     decoders = [*specs, *warmups, *([base] if base is not None else [])]
-    engine = {"used": getattr(specs[0], "engine", "eager"),
+    engine = {"requested": first.engine, "used": getattr(specs[0], "engine", "eager"),
               "compile_seconds": sum(getattr(d, "compile_seconds", 0.0) for d in decoders),
               "warmup_seconds": warmup_seconds}
     return [Evaluation(cfg, build_report(cfg, m, spec, rs, prompts[0], engine), rs)
@@ -307,7 +307,8 @@ def build_report(cfg: EvalConfig, models: LoadedModels, spec, results: list[Prom
         overall["tree"] = heads_tree(cfg.tree, models.heads_info, 1)[0] if cfg.greedy else "chain (sampling)"
     return {
         "drafter": cfg.drafter_name,
-        "config": dataclasses.asdict(cfg),
+        # SPEC §2 rev 2: config.engine is the engine used; what was asked for is engine.requested.
+        "config": {**dataclasses.asdict(cfg), "engine": engine["used"]},
         "environment": environment(models.device),
         "numerics": num,
         "engine": dict(engine),
