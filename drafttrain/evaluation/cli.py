@@ -13,15 +13,13 @@ INTERRUPTED_REPORT = "interrupted: no report written (an earlier report in --out
 
 
 def add_cli(sub) -> None:
-    formatter: dict = {}
     p = sub.add_parser("eval", help="measure acceptance and speedup of one drafter on held-out prompts",
-                       description="One drafter against the target alone on held-out prompts (SPEC §2).",
-                       **formatter)
+                       description="One drafter against the target alone on held-out prompts (SPEC §2).")
     add_flags(p, EvalConfig)
     p.set_defaults(func=run_eval_cli, interrupted=INTERRUPTED_REPORT)
 
     p = sub.add_parser("compare", help="several drafters side by side on one target, in one run",
-                       description="Several drafters on one target, one process, one shared baseline.", **formatter)
+                       description="Several drafters on one target, one process, one shared baseline.")
     p.add_argument("--drafter", action="append", required=True, metavar="NAME=KIND[:DIR]",
                    help="NAME=draft:DIR, NAME=heads:DIR, NAME=ngram or NAME=none; repeat for each drafter (required)")
     add_flags(p, EvalConfig, drafter=False, docs={
@@ -33,8 +31,7 @@ def add_cli(sub) -> None:
 
     p = sub.add_parser("replay", help="greedy acceptance of drafts replayed over a report's target outputs",
                        description="One forward pass per prompt and draft over a greedy report's outputs.jsonl "
-                                   "gives exactly the accepted lengths greedy decoding would; no timings.",
-                       **formatter)
+                                   "gives exactly the accepted lengths greedy decoding would; no timings.")
     add_flags(p, ReplayConfig)
     p.set_defaults(func=run_replay_cli, interrupted="interrupted")
 

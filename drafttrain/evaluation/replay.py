@@ -175,6 +175,7 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
     from tqdm.auto import tqdm
 
     from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+    from ..preflight import first_vocab_difference
     from ..prompts import encode_prompt, read_prompts
 
     validate_choices(cfg)
@@ -200,7 +201,12 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
     prompts = [(encode_prompt(r, tokenizer), outputs[str(r.id)]) for r in records]
     results = []
     for name, path in drafts:
-        draft = load_causal_lm(path, dtype, device, f"draft {name!r}")
+        what = f"draft {name!r}"
+        difference = first_vocab_difference(tokenizer.get_vocab(), load_tokenizer(path, what).get_vocab())
+        if difference:
+            raise UserError(f"{what} and the target disagree on token ids ({difference}); use a draft trained with "
+                            "the target's tokenizer")
+        draft = load_causal_lm(path, dtype, device, what)
         result = ReplayResult(name, cfg.num_draft_tokens, max_new)
         for ids, out in tqdm(prompts, desc=name, unit="prompt", disable=not progress):
             acc, prop = teacher_forced_steps(draft, ids, out, num_draft_tokens=cfg.num_draft_tokens,

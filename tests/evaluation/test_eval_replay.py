@@ -80,6 +80,11 @@ def report(tmp_path_factory):
     save_pair(root / "draft", noisy_copy(target, scale=0.1), tok)
     damaged_copy(root / "draft", root / "nan-draft", "nan")
     damaged_copy(root / "draft", root / "truncated-draft", "truncated")
+    save_pair(root / "swapped-draft", noisy_copy(target, scale=0.1), tok)  # two token ids traded:
+    spec = json.loads((root / "swapped-draft" / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["w10"], vocab["w11"] = vocab["w11"], vocab["w10"]
+    (root / "swapped-draft" / "tokenizer.json").write_text(json.dumps(spec))
     prompts = write_jsonl(root / "p.jsonl", [{"id": f"p{i}", "prompt": f"w{5 + i} w{9 + 2 * i} w{13 + i} w7"}
                                              for i in range(6)])
     assert main(["eval", "--target", str(root / "target"), "--draft", str(root / "draft"), "--prompts", prompts,
@@ -143,6 +148,7 @@ def test_replay_bad_inputs_are_one_error_line(report, tmp_path, capsys):
         (replay_argv(report, f"n={report / 'nan-draft'}"), ["draft 'n'", "non-finite"]),
         (replay_argv(report, f"t={report / 'truncated-draft'}"), ["draft 't'", "damaged"]),
         (replay_argv(report, f"m={tmp_path / 'missing'}"), ["draft 'm'", "not a directory"]),
+        (replay_argv(report, f"s={report / 'swapped-draft'}"), ["draft 's'", "'w10'", "tokenizer"]),
         (replay_argv(report, good) + ["--max-new-tokens", "3"], ["more than --max-new-tokens 3"]),
     ]
     for argv, words in cases:
