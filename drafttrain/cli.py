@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import assets, bench, comparison, evaluation, preflight
+    from . import assets, bench, preflight
+    from .evaluation import cli as evaluation
 
     parser = Parser(prog="drafttrain", description="Train drafters for speculative decoding and measure them.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for module in (evaluation, comparison, preflight, assets, bench):
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for module in (evaluation, preflight, assets, bench):
         module.add_cli(sub)
     return parser
 
@@ -26,14 +28,29 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def quiet_deepspeed_probe() -> None:
+    """transformers imports deepspeed when it loads a model, and on a machine without a GPU
+    deepspeed logs "Setting accelerator to CPU" on stderr: a second line beside an `error:` line.
+    Naming the accelerator it would pick anyway keeps stderr to what drafttrain says."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_deepspeed_probe()
     try:
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's 128 + SIGINT, nothing half-written
+        print(f"{getattr(args, 'interrupted', 'interrupted')}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -89,3 +89,37 @@ def encode_prompt(record: PromptRecord, tokenizer) -> list[int]:
     if not ids:
         raise UserError(f"{record.source}: the prompt encodes to zero tokens; give a non-empty prompt")
     return list(ids)
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt ready for decoding: its id and category (for reports) and its token ids."""
+
+    id: str | int
+    category: str
+    ids: list[int]
+
+
+def encode_prompts(records: list[PromptRecord], tokenizer, *, max_new_tokens: int, context_limit: int | None,
+                   on_too_long: str = "error", max_prompts: int | None = None) -> list[EncodedPrompt]:
+    """Encode records whose prompt plus `max_new_tokens` fits `context_limit` (None: no limit).
+
+    A prompt that does not fit is an error (`on_too_long="error"`: evaluation must decode every
+    prompt it was given) or is left out (`"skip"`: a recipe's held-out set just needs enough).
+    `max_prompts` stops after that many prompts are kept. The list may be empty with `"skip"`.
+    """
+    if on_too_long not in ("error", "skip"):
+        raise ValueError(f"on_too_long must be 'error' or 'skip', got {on_too_long!r}")
+    out: list[EncodedPrompt] = []
+    for r in records:
+        if max_prompts is not None and len(out) >= max_prompts:
+            break
+        ids = encode_prompt(r, tokenizer)
+        if context_limit is not None and len(ids) + max_new_tokens > context_limit:
+            if on_too_long == "skip":
+                continue
+            raise UserError(
+                f"{r.source}: prompt of {len(ids)} tokens plus --max-new-tokens {max_new_tokens} exceeds the "
+                f"target's context of {context_limit} tokens; shorten the prompt or lower --max-new-tokens")
+        out.append(EncodedPrompt(r.id, r.category, ids))
+    return out

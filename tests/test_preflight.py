@@ -120,6 +120,37 @@ def test_preflight_missing_draft(dirs, tmp_path, capsys):
     assert line.startswith("error:") and "draft" in line and "gone" in line
 
 
+def damage_weights(model_dir, damage):
+    from safetensors.torch import load_file, save_file
+
+    path = Path(model_dir) / "model.safetensors"
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        state = load_file(str(path))
+        name = sorted(state)[0]
+        state[name] = state[name].clone()
+        state[name].view(-1)[:4] = float("nan")
+        save_file(state, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("who", ["target", "draft"])
+@pytest.mark.parametrize("damage, word", [("truncated", "damaged"), ("empty", "damaged"), ("nan", "non-finite")])
+def test_preflight_damaged_weights_are_one_error_line(dirs, tmp_path, capsys, who, damage, word):
+    import shutil
+
+    paths = {"target": dirs["target"], "draft": dirs["draft"]}
+    paths[who] = shutil.copytree(paths[who], tmp_path / who)
+    damage_weights(paths[who], damage)
+    code, out, err = cli(capsys, ["preflight", "--target", str(paths["target"]), "--draft", str(paths["draft"])])
+    assert code == 2 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(f"error: cannot load the {who}" if word == "damaged" else f"error: the {who}")
+    assert word in line and str(tmp_path / who) in line
+
+
 def failed(checks):
     return [c.name for c in checks if not c.ok]
 

@@ -10,7 +10,7 @@ import pytest
 from tiny import tiny_tokenizer
 
 from drafttrain.errors import UserError
-from drafttrain.prompts import encode_prompt, read_prompt_file, read_prompts
+from drafttrain.prompts import EncodedPrompt, encode_prompt, encode_prompts, read_prompt_file, read_prompts
 
 START, END, UNK = 1, 2, 0
 
@@ -169,3 +169,25 @@ def test_shipped_smoke_prompt_set_loads():
     assert [r.category for r in records] == ["code", "code", "chat", "chat"]
     assert records[0].text.startswith("def fibonacci") and records[2].messages[0]["role"] == "user"
     assert records[3].messages[0] == {"role": "system", "content": "You are concise."}
+
+
+def test_encode_prompts_keeps_ids_and_categories(tmp_path, tok):
+    path = write(tmp_path / "p.jsonl", [{"id": "a", "prompt": "w5 w6", "category": "code"}, {"turns": ["w7"]}])
+    prompts = encode_prompts(read_prompt_file(path), tok, max_new_tokens=4, context_limit=None)
+    assert prompts == [EncodedPrompt("a", "code", [5, 6]), EncodedPrompt(1, "default", [START, UNK, 7, END, START, UNK])]
+
+
+def test_encode_prompts_too_long_is_an_error_or_skipped(tmp_path, tok):
+    path = write(tmp_path / "p.jsonl", [{"id": "short", "prompt": "w5 w6"}, {"id": "long", "prompt": "w5 w6 w7 w8"},
+                                        {"id": "s2", "prompt": "w9"}])
+    records = read_prompt_file(path)
+    # 2 + 6 = 8 fits a context of 8; 4 + 6 does not
+    message = error(lambda: encode_prompts(records, tok, max_new_tokens=6, context_limit=8))
+    assert message.startswith(f"{path}:2: prompt of 4 tokens plus --max-new-tokens 6 exceeds the target's context of 8")
+    kept = encode_prompts(records, tok, max_new_tokens=6, context_limit=8, on_too_long="skip")
+    assert [p.id for p in kept] == ["short", "s2"]
+    assert [p.id for p in encode_prompts(records, tok, max_new_tokens=6, context_limit=8, on_too_long="skip",
+                                         max_prompts=1)] == ["short"]
+    assert encode_prompts(records, tok, max_new_tokens=60, context_limit=8, on_too_long="skip") == []
+    with pytest.raises(ValueError):
+        encode_prompts(records, tok, max_new_tokens=6, context_limit=8, on_too_long="truncate")

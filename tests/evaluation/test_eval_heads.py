@@ -2,7 +2,9 @@
 
 import json
 
+import pytest
 import torch
+from eval_helpers import cli, damaged_copy, one_error_line, snapshot
 from tiny import save_pair, tiny_lm, tiny_tokenizer
 
 from drafttrain.cli import main
@@ -30,6 +32,8 @@ def test_eval_with_heads(tmp_path, capsys):
     assert len(overall["per_head_acceptance"]) == 2  # K=2 caps the tree at depth 2 of 3 heads
     assert overall["per_head_acceptance"] == overall["per_position_acceptance"]
     assert report["heads"] == {"kind": "medusa-1", "target": "t"}
+    assert overall["predicted"]["cost_ratio"] == 0.0  # heads cost next to nothing beside a target forward
+    assert overall["divergences"] == 0 and report["drafter"] == "heads"
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     for row in rows:
         assert row["speculative_token_ids"] == row["baseline_token_ids"]
@@ -84,3 +88,19 @@ def test_eval_heads_with_a_tree_file_and_bad_trees(tmp_path, capsys):
         code = main([*argv, "--tree", str(tmp_path / name), "--out", str(tmp_path / name / "out")])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("error: --tree"), (name, err)
+
+
+@pytest.mark.parametrize("damage, words", [("truncated", ["Medusa heads", "damaged"]), ("empty", ["damaged"]),
+                                           ("nan", ["Medusa heads", "non-finite"])])
+def test_eval_damaged_heads_file_is_one_error_line(damage, words, tmp_path, capsys):
+    tok = tiny_tokenizer(64)
+    target = tiny_lm(0, dtype=torch.float32)
+    save_pair(tmp_path / "target", target, tok)
+    save_medusa(MedusaHeads.from_target(target, num_heads=2, num_layers=1), tmp_path / "good")
+    heads = damaged_copy(tmp_path / "good", tmp_path / "heads", damage)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w5 w6"}\n')
+    before = snapshot(tmp_path)
+    result = cli(capsys, ["eval", "--target", str(tmp_path / "target"), "--heads", heads, "--prompts",
+                          str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out"), "--quiet"])
+    one_error_line(*result, *words)
+    assert snapshot(tmp_path) == before

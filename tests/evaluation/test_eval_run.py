@@ -1,7 +1,8 @@
-"""`drafttrain eval` end to end (SPEC §2) on tiny models saved to disk.
+"""`drafttrain eval` end to end (SPEC §2 and rev 2) on tiny models saved to disk.
 
-Bad input must end in exit 2 with one `error:` line and no report; a good run's report must be
-recomputable from its outputs.jsonl, and greedy outputs must equal transformers' own `generate`.
+Bad input must end in exit 2 with one `error:` line and nothing touched; a good run's report
+must be recomputable from its outputs.jsonl, and greedy outputs must equal transformers' own
+`generate`.
 """
 
 import json
@@ -12,14 +13,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import huggingface_hub
+import numpy as np
 import pytest
 import torch
 import transformers
+from eval_helpers import cli, damaged_copy, one_error_line, snapshot, write_jsonl
+from scipy.optimize import brentq
 from tiny import noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 import drafttrain
-from drafttrain.cli import main
+from drafttrain.cli import build_parser, main
+from drafttrain.decoding.defaults import NUM_DRAFT_TOKENS
 
 EOS = 2          # `<|im_end|>` in the tiny tokenizer, and the tiny models' eos_token_id
 CONTEXT = 64     # the tiny target's max_position_embeddings
@@ -49,11 +54,6 @@ def swap_token_ids(model_dir, a="w10", b="w11"):
     path.write_text(json.dumps(spec))
 
 
-def write_jsonl(path, lines):
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
@@ -70,6 +70,9 @@ def models(tmp_path_factory):
         "swapped_vocab_draft": save_pair(root / "swapped", draft, tok),
     }
     swap_token_ids(dirs["swapped_vocab_draft"])
+    for who in ("target", "draft"):
+        for damage in ("truncated", "empty", "nan"):
+            dirs[f"{damage}_{who}"] = damaged_copy(dirs[who], root / f"{damage}-{who}", damage)
     return dirs
 
 
@@ -140,17 +143,7 @@ def check_ends(tokens):
 
 
 # ---------------------------------------------------------------------------------------------
-# Bad input: exit 2, one `error:` line, no report.
-
-
-def cli(capsys, argv):
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+# Bad input: exit 2, one `error:` line, nothing touched.
 
 
 def bad_argv(env, *extra, target=None, drafter=None, prompts=None):
@@ -162,6 +155,20 @@ def bad_argv(env, *extra, target=None, drafter=None, prompts=None):
 
 def _file(env, name, lines):
     return write_jsonl(env.tmp / name, lines)
+
+
+def _old_report(env, name="old", report=True):
+    """A directory holding an earlier run's files (or, report=False, someone's other files)."""
+    old = env.tmp / name
+    (old / "drafter-b").mkdir(parents=True)
+    (old / ("report.json" if report else "notes.txt")).write_text("{}")
+    (old / "drafter-b" / "report.md").write_text("earlier")
+    return str(old)
+
+
+def _a_file(env):
+    (env.tmp / "a-file").write_text("not a directory")
+    return str(env.tmp / "a-file")
 
 
 BAD_INPUT = {
@@ -204,7 +211,32 @@ BAD_INPUT = {
     "zero max new tokens": lambda e: (bad_argv(e, "--max-new-tokens", "0"), ["--max-new-tokens"]),
     "zero limit": lambda e: (bad_argv(e, "--limit", "0"), ["--limit"]),
     "unknown baseline": lambda e: (bad_argv(e, "--baseline", "hf"), ["--baseline", "hf"]),
-    "missing --out (argparse)": lambda e: (bad_argv(e), ["--out", "required"]),
+    "missing --out (argparse)": lambda e: (bad_argv(e, "--out"), ["--out", "expected one argument"]),
+    "no --out (argparse)": lambda e: (bad_argv(e, "--out", None), ["--out", "required"]),
+    "truncated target weights": lambda e: (bad_argv(e, target=e.models["truncated_target"]),
+                                           ["target", "truncated-target", "damaged"]),
+    "empty target weights": lambda e: (bad_argv(e, target=e.models["empty_target"]), ["target", "damaged"]),
+    "NaN target weights": lambda e: (bad_argv(e, target=e.models["nan_target"]), ["target", "non-finite"]),
+    "truncated draft weights": lambda e: (bad_argv(e, drafter=["--draft", e.models["truncated_draft"]]),
+                                          ["draft", "truncated-draft", "damaged"]),
+    "empty draft weights": lambda e: (bad_argv(e, drafter=["--draft", e.models["empty_draft"]]),
+                                      ["draft", "damaged"]),
+    "NaN draft weights": lambda e: (bad_argv(e, drafter=["--draft", e.models["nan_draft"]]),
+                                    ["draft", "non-finite"]),
+    "--out is a file": lambda e: (bad_argv(e, "--out", _a_file(e)), ["--out", "is a file"]),
+    "--out under a file": lambda e: (bad_argv(e, "--out", _a_file(e) + "/report"), ["--out", "lies under", "file"]),
+    "--out not writable": lambda e: (bad_argv(e, "--out", "/proc/drafttrain-test/report"), ["--out", "not writable"]),
+    "--out holds an earlier report": lambda e: (bad_argv(e, "--out", _old_report(e)),
+                                                ["--out", "not empty", "--overwrite"]),
+    "--overwrite of a directory that is no report": lambda e: (
+        bad_argv(e, "--overwrite", "--out", _old_report(e, report=False)), ["--out", "no drafttrain report"]),
+    # The output path is checked before any model loads: the damaged target is never read.
+    "--out is a file, damaged target": lambda e: (
+        bad_argv(e, "--out", _a_file(e), target=e.models["truncated_target"]), ["--out", "is a file"]),
+    "--out holds a report, damaged draft": lambda e: (
+        bad_argv(e, "--out", _old_report(e), drafter=["--draft", e.models["nan_draft"]]), ["--out", "not empty"]),
+    "static engine": lambda e: (bad_argv(e, "--engine", "static"), ["--engine static", "eager"]),
+    "unknown engine (argparse)": lambda e: (bad_argv(e, "--engine", "warp"), ["--engine", "warp"]),
     "non-integer K (argparse)": lambda e: (bad_argv(e, "--num-draft-tokens", "three"), ["--num-draft-tokens", "three"]),
 }
 
@@ -218,18 +250,14 @@ def test_bad_input_is_one_error_line_and_no_report(case, models, prompt_files, t
     (tmp_path / "q.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00\xff\xfe binary")
     env = SimpleNamespace(models=models, prompt_files=prompt_files, tmp=tmp_path)
     argv, words = BAD_INPUT[case](env)
-    out_dir = tmp_path / "out"
-    if "--out" not in case:
-        argv += ["--out", str(out_dir)]
+    if argv[-1] is None:
+        argv = argv[:-2]
+    elif "--out" not in argv:
+        argv += ["--out", str(tmp_path / "out")]
+    before = snapshot(tmp_path)
     code, out, err = cli(capsys, argv)
-    assert code == 2
-    assert out == ""
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error:")
-    for word in words:
-        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
-    assert not out_dir.exists() or not any(out_dir.iterdir())
+    one_error_line(code, out, err, *words)
+    assert snapshot(tmp_path) == before  # nothing written, nothing of an earlier report touched
 
 
 def test_real_process_exits_2_with_an_error_line(models, prompt_files, tmp_path):
@@ -322,9 +350,51 @@ def test_greedy_config_and_environment(greedy_run, models, prompt_files):
 def test_greedy_report_md(greedy_run):
     out, report, _ = greedy_run
     md = (out / "report.md").read_text()
+    pred = report["overall"]["predicted"]
     for text in ("| overall |", "| code |", "| chat |", "per_position_acceptance.png", "speedup_by_category.png",
-                 f"{report['overall']['mean_accepted_length']:.3f}", f"{report['overall']['speedup']:.3f}"):
+                 f"{report['overall']['mean_accepted_length']:.3f}", f"{report['overall']['speedup']:.3f}",
+                 f"| overall | {pred['alpha']:.3f} | {pred['expected_tokens_per_step']:.3f} |",
+                 "All 4 greedy outputs equal the target alone's", "Engine: eager (requested auto)"):
         assert text in md, text
+    assert "acceptance alpha" not in md  # the old acceptance_rate-as-alpha formula is gone
+
+
+def test_greedy_divergence_fields(greedy_run):
+    """float64: no divergence, and every outputs.jsonl line says so."""
+    _, report, rows = greedy_run
+    for r in rows:
+        assert r["first_divergence"] is None and r["divergence_margin"] is None
+    for m in [report["overall"], *report["by_category"].values()]:
+        assert m["divergences"] == 0 and m["divergences_at_near_ties"] == 0
+    assert report["numerics"]["dtype"] == "float64"
+    assert report["numerics"]["near_tie_tolerance"] == pytest.approx(1e-9)
+
+
+def test_greedy_predicted_speedup(greedy_run):
+    """alpha fitted to tau over the run's own proposed lengths, by an independent root finder."""
+    _, report, rows = greedy_run
+    groups = {"overall": rows, **{c: [r for r in rows if r["category"] == c] for c in report["by_category"]}}
+    for name, group in groups.items():
+        m = report["overall"] if name == "overall" else report["by_category"][name]
+        pred = m["predicted"]
+        assert set(pred) == {"alpha", "expected_tokens_per_step", "cost_ratio", "speedup", "efficiency"}
+        proposed = [p for r in group for p in r["proposed_lengths"]]
+        tau = m["mean_accepted_length"]
+        mean_e = lambda a: np.mean([sum(a**j for j in range(p + 1)) for p in proposed])
+        assert 0 < pred["alpha"] < 1
+        assert pred["alpha"] == pytest.approx(brentq(lambda a: mean_e(a) - tau, 0.0, 1.0, xtol=1e-13), abs=1e-8)
+        assert pred["expected_tokens_per_step"] == pytest.approx(tau)
+        assert pred["cost_ratio"] == report["overall"]["predicted"]["cost_ratio"] > 0  # a draft model costs
+        assert pred["speedup"] == pytest.approx(tau / (K * pred["cost_ratio"] + 1))
+        assert pred["efficiency"] == pytest.approx(m["speedup"] / pred["speedup"])
+
+
+def test_greedy_engine_and_drafter_name(greedy_run):
+    _, report, _ = greedy_run
+    assert report["config"]["engine"] == "eager"  # SPEC §2 rev 2: the engine used
+    assert report["engine"]["requested"] == "auto" and report["engine"]["used"] == "eager"
+    assert report["engine"]["compile_seconds"] == 0.0
+    assert report["drafter"] == "draft"  # the draft directory's name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,6 +428,50 @@ def test_plain_decoding_without_baseline(models, prompt_files, references, tmp_p
     assert all(r["baseline_token_ids"] is None for r in rows)
     assert not (out / "per_position_acceptance.png").exists() and not (out / "speedup_by_category.png").exists()
     assert (out / "report.md").is_file()
+
+
+def test_default_k_is_the_one_default(models, prompt_files, tmp_path):
+    _, report, _ = run_ok(["eval", "--target", models["target"], "--method", "ngram", *prompts_argv(prompt_files),
+                           "--limit", "1", "--max-new-tokens", "6", "--baseline", "none",
+                           "--out", str(tmp_path / "out"), "--quiet"])
+    assert report["config"]["num_draft_tokens"] == NUM_DRAFT_TOKENS == 4
+    assert len(report["overall"]["per_position_acceptance"]) == NUM_DRAFT_TOKENS
+    parser = build_parser()
+    common = ["--target", "T", "--prompts", "p", "--out", "o"]
+    assert parser.parse_args(["compare", "--drafter", "n=ngram", *common]).num_draft_tokens == NUM_DRAFT_TOKENS
+    assert parser.parse_args(["replay", "--target", "T", "--prompts", "p", "--outputs", "o",
+                              "--draft", "a=b"]).num_draft_tokens == NUM_DRAFT_TOKENS
+
+
+@pytest.mark.parametrize("command", ["eval", "compare", "replay"])
+def test_help_shows_every_default(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        if action.dest == "help":
+            continue
+        if action.required:
+            assert "(required)" in " ".join((action.help or "").split())
+        elif isinstance(action.default, bool):
+            assert "(default: off)" in action.help
+        elif action.default is not None:
+            assert f"(default: {action.default})" in text, action.dest
+    if command != "replay":
+        assert "--num-draft-tokens K K: draft tokens per verification step" in text and "(default: 4)" in text
+
+
+def test_one_category_report_has_no_overall_vs_category_pair(models, tmp_path):
+    prompts = write_jsonl(tmp_path / "code.jsonl", [c for c in CODE if c])
+    out, report, _ = run_ok(["eval", "--target", models["target"], "--method", "ngram", "--prompts", prompts,
+                             "--max-new-tokens", "8", "--dtype", "float64", "--out", str(tmp_path / "out"), "--quiet"])
+    assert list(report["by_category"]) == ["code"] and report["overall"]["speedup"] is not None
+    assert (out / "per_position_acceptance.png").is_file()
+    assert not (out / "speedup_by_category.png").exists()
+    md = (out / "report.md").read_text()
+    assert "speedup_by_category" not in md and "| code |" not in md and "| overall |" in md
+    assert report["drafter"] == "ngram"
 
 
 def test_limit_takes_the_first_prompts_of_each_file(models, prompt_files, tmp_path):

@@ -1,0 +1,135 @@
+"""`drafttrain compare`: several drafters, one target, one process, one shared baseline.
+
+This is how the demo shows how a trained drafter stands against its starting point and n-gram
+lookup: every figure in the comparison comes from the same run on the same prompts. The output
+directory holds comparison.md/json, the comparison plots and one full report per drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import UserError
+from .config import EvalConfig, shared_settings
+from .report import (_fmt, bar_figure, per_position_figure, save_figure, scatter_figure, subtitle, write_json,
+                     write_report)
+from .run import DecoderFactory, Evaluation, check_inputs, evaluate
+
+KINDS = ("draft", "heads", "ngram", "none")
+
+
+def parse_drafter(spec: str) -> tuple[str, dict]:
+    """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=ngram` or `NAME=none`."""
+    name, sep, what = spec.partition("=")
+    kind, _, path = what.partition(":")
+    if not sep or not name or kind not in KINDS or (kind in ("draft", "heads")) != bool(path):
+        raise UserError(f"--drafter {spec!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR, NAME=ngram or NAME=none")
+    if "/" in name or name.startswith("."):
+        raise UserError(f"--drafter {spec!r}: NAME names the drafter's report folder, so it cannot contain '/' or "
+                        "start with '.'")
+    if kind in ("draft", "heads"):
+        return name, {kind: path}
+    return name, {"method": kind}
+
+
+def drafter_configs(base: EvalConfig, drafters: list[str]) -> list[EvalConfig]:
+    """One config per `--drafter`, each reporting into `base.out/NAME`."""
+    parsed = [parse_drafter(d) for d in drafters]
+    names = [n for n, _ in parsed]
+    if len(set(names)) != len(names):
+        raise UserError("drafter names must be unique; give each --drafter its own NAME")
+    return [replace(base, **{"draft": None, "heads": None, "method": None, **fields}, name=name,
+                    out=str(Path(base.out) / name)) for name, fields in parsed]
+
+
+def comparison_rows(evaluations: list[Evaluation]) -> list[dict]:
+    rows = []
+    for e in evaluations:
+        o = e.report["overall"]
+        p = o.get("predicted") or {}
+        rows.append({"drafter": e.report["drafter"], "tau": o["mean_accepted_length"],
+                     "acceptance_rate": o["acceptance_rate"], "alpha": p.get("alpha"),
+                     "speculative_tokens_per_s": o["speculative_tokens_per_s"],
+                     "baseline_tokens_per_s": o["baseline_tokens_per_s"], "speedup": o["speedup"],
+                     "predicted_speedup": p.get("speedup"), "efficiency": p.get("efficiency"),
+                     "outputs_match_baseline": o["outputs_match_baseline"], "divergences": o["divergences"],
+                     "divergences_at_near_ties": o["divergences_at_near_ties"],
+                     "per_position_acceptance": o["per_position_acceptance"]})
+    return rows
+
+
+def comparison_figures(rows: list[dict], sub: str) -> dict[str, object]:
+    """The comparison's plots, by file name."""
+    figures = {"tau.png": bar_figure({r["drafter"]: r["tau"] for r in rows}, "tau (mean accepted length)",
+                                     "Mean accepted length by drafter", sub)}
+    if any(r["per_position_acceptance"] for r in rows):
+        figures["per_position_acceptance.png"] = per_position_figure(
+            {r["drafter"]: r["per_position_acceptance"] for r in rows if r["per_position_acceptance"]},
+            "Per-position acceptance by drafter", sub)
+    if any(r["speedup"] is not None for r in rows):
+        figures["speedup.png"] = bar_figure({r["drafter"]: r["speedup"] for r in rows}, "speedup (×)",
+                                            "Measured speedup by drafter", sub, digits=2)
+        figures["tau_vs_speedup.png"] = scatter_figure(
+            {r["drafter"]: (r["tau"], r["speedup"]) for r in rows if r["speedup"] is not None},
+            "tau vs measured speedup", sub)
+    return figures
+
+
+def render_comparison(rows: list[dict], first: dict, figures: dict) -> str:
+    cfg, env = first["config"], first["environment"]
+    lines = [
+        "# Drafter comparison", "",
+        f"Target `{cfg['target']}`, {len(rows)} drafters, K={cfg['num_draft_tokens']}, temperature "
+        f"{cfg['temperature']}, max new tokens {cfg['max_new_tokens']}, {first['overall']['prompts']} prompts from "
+        f"{', '.join(cfg['prompts'])} (limit {cfg['limit']}), dtype {first['numerics']['dtype']}, on "
+        f"{env['device']}. One process: each prompt is decoded by the target alone, then by every drafter; "
+        "speedups share that baseline. Predicted speedup and efficiency: see each drafter's report.", "",
+        "| drafter | tau | acceptance | alpha | tok/s | baseline tok/s | speedup | predicted | efficiency "
+        "| match baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['drafter']} | {_fmt(r['tau'])} | {_fmt(r['acceptance_rate'])} | {_fmt(r['alpha'])} | "
+                     f"{_fmt(r['speculative_tokens_per_s'], 1)} | {_fmt(r['baseline_tokens_per_s'], 1)} | "
+                     f"{_fmt(r['speedup'], 2)} | {_fmt(r['predicted_speedup'], 2)} | {_fmt(r['efficiency'], 2)} | "
+                     f"{_fmt(r['outputs_match_baseline'], 2)} |")
+    diverged = [r for r in rows if r["divergences"]]
+    if diverged:
+        num = first["numerics"]
+        lines += ["", "Greedy divergences from the target alone (near-ties: top-1 minus top-2 logit at most "
+                      f"{num['near_tie_tolerance']} in {num['dtype']}, from different rounding of a k-token and a "
+                      "1-token forward in low precision, not from the decoder): "
+                  + "; ".join(f"{r['drafter']} {r['divergences_at_near_ties']} of {r['divergences']} at near-ties"
+                              for r in diverged) + "."]
+    captions = {"tau.png": "tau by drafter", "per_position_acceptance.png": "per-position acceptance by drafter",
+                "speedup.png": "speedup by drafter", "tau_vs_speedup.png": "tau vs speedup"}
+    for name in figures:
+        lines += ["", f"![{captions[name]}]({name})"]
+    lines += ["", "Each drafter's full report: `<drafter>/report.md`."]
+    return "\n".join(lines) + "\n"
+
+
+def run_compare(base: EvalConfig, drafters: list[str], progress: bool = True,
+                decoder_factory: DecoderFactory | None = None) -> list[Evaluation]:
+    """`drafttrain compare`: check everything, run every drafter, write the comparison into base.out
+    (replacing an earlier one whole only with base.overwrite)."""
+    from .outputs import prepare_output_dir, staged_output
+
+    cfgs = drafter_configs(base, drafters)
+    check_inputs(cfgs)
+    prepare_output_dir(base.out, base.overwrite)
+    evaluations = evaluate(cfgs, progress=progress, decoder_factory=decoder_factory)
+    rows = comparison_rows(evaluations)
+    first = evaluations[0].report
+    figures = comparison_figures(rows, subtitle(first))
+    with staged_output(base.out) as stage:
+        for e in evaluations:
+            write_report(stage / e.report["drafter"], e.report, e.results)
+        for name, fig in figures.items():
+            save_figure(fig, stage / name)
+        (stage / "comparison.md").write_text(render_comparison(rows, first, figures))
+        write_json(stage / "comparison.json", {"drafters": rows, "config": {**shared_settings(base), "out": base.out},
+                                               "environment": first["environment"], "numerics": first["numerics"],
+                                               "engine": first["engine"]})
+    return evaluations

@@ -1,0 +1,225 @@
+"""`drafttrain replay`: greedy acceptance of draft models from ONE forward pass over the target's
+own output, which any greedy report's outputs.jsonl already holds.
+
+Under greedy verification a draft token is accepted iff it equals the target's greedy token, and
+after an acceptance the draft continues from exactly the target's prefix. So the draft's argmax
+at every position of (prompt + the target's greedy output) decides every step of chain
+speculative decoding: the accepted and proposed lengths follow by replaying the decoder's step
+rule (`SpeculativeDecoder.generate`, drafts past an EOS that ended the output not counted).
+Seconds instead of minutes per draft, which makes comparing many candidate drafts (layer
+choices, checkpoints) cheap. It measures acceptance only: timings need `eval` or `compare`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..decoding.defaults import NUM_DRAFT_TOKENS
+from ..errors import UserError
+from .config import DTYPE_CHOICES, option, validate_choices
+
+
+def chain_steps(matches: list[bool], num_draft_tokens: int, max_new_tokens: int,
+                ended_at_eos: bool) -> tuple[list[int], list[int]]:
+    """(accepted, proposed) draft tokens per verification step, given whether the draft's greedy
+    token matches the target's at each of the target's len(matches) output positions.
+
+    Mirrors the decoder: K' = min(K, tokens left - 1) drafts per step, the accepted prefix plus one
+    target token emitted, nothing past the end. When the output ended at an EOS, the last step's
+    drafts past that EOS were never in play and are not counted as proposed."""
+    accepted, proposed, t, n = [], [], 0, len(matches)
+    while t < n:
+        k = min(num_draft_tokens, max_new_tokens - t - 1)
+        a = 0
+        while a < k and t + a < n and matches[t + a]:
+            a += 1
+        emitted = min(a + 1, n - t)
+        accepted.append(min(a, emitted))
+        proposed.append(min(k, emitted) if ended_at_eos and t + emitted == n else k)
+        t += emitted
+    return accepted, proposed
+
+
+def chain_accepted_lengths(matches: list[bool], num_draft_tokens: int, max_new_tokens: int) -> list[int]:
+    """The accepted lengths of `chain_steps`."""
+    return chain_steps(matches, num_draft_tokens, max_new_tokens, ended_at_eos=False)[0]
+
+
+@torch.no_grad()
+def draft_matches(draft, prompt: list[int], target_tokens: list[int]) -> list[bool]:
+    """Whether the draft's greedy token equals the target's at each output position."""
+    if not target_tokens:
+        return []
+    device = next(draft.parameters()).device
+    ids = torch.tensor([list(prompt) + list(target_tokens)], dtype=torch.long, device=device)
+    keep = len(target_tokens) + 1  # logits of the last prompt position onwards
+    logits = draft(input_ids=ids, logits_to_keep=keep).logits[0, :len(target_tokens)]
+    return [p == t for p, t in zip(logits.argmax(-1).tolist(), target_tokens)]
+
+
+def teacher_forced_steps(draft, prompt: list[int], target_tokens: list[int], *, num_draft_tokens: int,
+                         max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(accepted, proposed) lengths of greedy chain decoding with `draft`, where `target_tokens`
+    is the target's greedy output for `prompt` (e.g. `baseline_token_ids` of outputs.jsonl)."""
+    ended_at_eos = len(target_tokens) < max_new_tokens
+    return chain_steps(draft_matches(draft, prompt, target_tokens), num_draft_tokens, max_new_tokens, ended_at_eos)
+
+
+def teacher_forced_accepted_lengths(draft, prompt: list[int], target_tokens: list[int], *,
+                                    num_draft_tokens: int, max_new_tokens: int) -> list[int]:
+    return teacher_forced_steps(draft, prompt, target_tokens, num_draft_tokens=num_draft_tokens,
+                                max_new_tokens=max_new_tokens)[0]
+
+
+def tau(num_tokens: int, accepted_lengths: list[int]) -> float:
+    """Mean accepted length as reports define it: new tokens per verification step (a step that
+    ends at EOS can emit fewer than accepted + 1 tokens, so this is not the mean of accepted + 1)."""
+    return num_tokens / max(len(accepted_lengths), 1)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+@dataclass(kw_only=True)
+class ReplayConfig:
+    """Greedy acceptance of drafts replayed over a report's target outputs."""
+
+    target: str = option(doc="The target the report ran (its tokenizer encodes the prompts).", metavar="T")
+    prompts: list[str] = option(doc="The prompt file(s) the report ran (SPEC §1); repeat for several.",
+                                metavar="FILE")
+    outputs: str = option(doc="A greedy report's outputs.jsonl (REPORT/outputs.jsonl).", metavar="FILE")
+    draft: list[str] = option(doc="A draft model to replay, as NAME=DIR; repeat for several.", metavar="NAME=DIR")
+    num_draft_tokens: int = option(NUM_DRAFT_TOKENS, "K: draft tokens per verification step.", metavar="K")
+    max_new_tokens: int | None = option(None, "The report's --max-new-tokens (unset: read from the report.json "
+                                        "beside --outputs).", metavar="N")
+    dtype: str = option("auto", "The drafts' dtype; auto is bfloat16 on CUDA, float32 on CPU.",
+                        choices=DTYPE_CHOICES)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N.")
+    quiet: bool = option(False, "No progress bar.")
+
+
+@dataclass
+class ReplayResult:
+    """One draft's replay: per prompt, the output length and the per-step lengths."""
+
+    name: str
+    num_draft_tokens: int
+    max_new_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[list[int]] = field(default_factory=list)
+    proposed: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return tau(sum(self.tokens), [a for acc in self.accepted for a in acc])
+
+    @property
+    def per_prompt_tau(self) -> list[float]:
+        return [tau(n, acc) for n, acc in zip(self.tokens, self.accepted)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = sum(sum(p) for p in self.proposed)
+        return sum(sum(a) for a in self.accepted) / drafted if drafted else 0.0
+
+
+def read_outputs(path: str) -> tuple[dict[str, list[int]], dict]:
+    """{prompt id: the target's greedy tokens} from outputs.jsonl, and the report.json beside it
+    ({} when there is none)."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--outputs {path}: no such file; pass a report's outputs.jsonl")
+    report_file = file.with_name("report.json")
+    report = {}
+    if report_file.is_file():
+        try:
+            report = json.loads(report_file.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{report_file}: not readable JSON ({e}); pass an intact report") from e
+    if (report.get("config") or {}).get("temperature", 0) != 0:
+        raise UserError(f"{path} comes from a sampled run (temperature {report['config']['temperature']}); replay "
+                        "needs a greedy report (--temperature 0)")
+    outputs = {}
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--outputs {path}: cannot read it ({e}); pass a report's outputs.jsonl") from e
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            tokens = row.get("baseline_token_ids") or row.get("speculative_token_ids")
+            if "id" not in row or not isinstance(tokens, list):
+                raise ValueError("no id or token ids")
+        except (ValueError, AttributeError) as e:
+            raise UserError(f"{path}:{lineno}: not an outputs.jsonl line ({e}); pass a report's outputs.jsonl") from e
+        outputs[str(row["id"])] = [int(t) for t in tokens]
+    if not outputs:
+        raise UserError(f"--outputs {path} is empty; pass the outputs.jsonl of a finished report")
+    return outputs, report
+
+
+def parse_draft(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise UserError(f"--draft {spec!r}: write NAME=DIR")
+    return name, path
+
+
+def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
+    from tqdm.auto import tqdm
+
+    from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+    from ..preflight import first_vocab_difference
+    from ..prompts import encode_prompt, read_prompts
+
+    validate_choices(cfg)
+    if cfg.num_draft_tokens < 1:
+        raise UserError(f"--num-draft-tokens must be at least 1, got {cfg.num_draft_tokens}")
+    drafts = [parse_draft(d) for d in cfg.draft]
+    outputs, report = read_outputs(cfg.outputs)
+    max_new = cfg.max_new_tokens or (report.get("config") or {}).get("max_new_tokens")
+    if not max_new or max_new < 1:
+        raise UserError(f"the report's --max-new-tokens is unknown (no report.json beside {cfg.outputs}); pass "
+                        "--max-new-tokens N as the report ran")
+    longest = max(len(t) for t in outputs.values())
+    if longest > max_new:
+        raise UserError(f"{cfg.outputs} holds an output of {longest} tokens, more than --max-new-tokens {max_new}; "
+                        "pass the report's --max-new-tokens")
+    records = [r for r in read_prompts(cfg.prompts) if str(r.id) in outputs]
+    if not records:
+        raise UserError(f"no prompt of {', '.join(cfg.prompts)} has an output in {cfg.outputs}; pass the prompt "
+                        "file the report ran")
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    tokenizer = load_tokenizer(cfg.target, "target")
+    prompts = [(encode_prompt(r, tokenizer), outputs[str(r.id)]) for r in records]
+    results = []
+    for name, path in drafts:
+        what = f"draft {name!r}"
+        difference = first_vocab_difference(tokenizer.get_vocab(), load_tokenizer(path, what).get_vocab())
+        if difference:
+            raise UserError(f"{what} and the target disagree on token ids ({difference}); use a draft trained with "
+                            "the target's tokenizer")
+        draft = load_causal_lm(path, dtype, device, what)
+        result = ReplayResult(name, cfg.num_draft_tokens, max_new)
+        for ids, out in tqdm(prompts, desc=name, unit="prompt", disable=not progress):
+            acc, prop = teacher_forced_steps(draft, ids, out, num_draft_tokens=cfg.num_draft_tokens,
+                                             max_new_tokens=max_new)
+            result.tokens.append(len(out))
+            result.accepted.append(acc)
+            result.proposed.append(prop)
+        results.append(result)
+        del draft
+    return results
+
+
+def format_results(results: list[ReplayResult]) -> list[str]:
+    return [f"{r.name}: tau {r.tau:.3f}, acceptance {r.acceptance_rate:.3f} over {len(r.tokens)} prompts "
+            f"(K={r.num_draft_tokens}, max new tokens {r.max_new_tokens}); per prompt "
+            + " ".join(f"{t:.2f}" for t in r.per_prompt_tau) for r in results]

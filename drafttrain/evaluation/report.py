@@ -1,0 +1,280 @@
+"""Writing an acceptance report (SPEC §2): outputs.jsonl, report.json, report.md and its plots.
+
+The report is written into a staging directory that `outputs.staged_output` swaps into place
+when complete, so a failed or interrupted run never leaves a half-written report behind.
+Figures are built as plain matplotlib `Figure` objects (no pyplot state), so tests can read
+their titles and labels back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .metrics import PromptResult, divergence
+
+
+def output_rows(results: list[PromptResult], with_divergence: bool) -> list[dict]:
+    """outputs.jsonl; `with_divergence` (greedy runs with a baseline) adds where each prompt's
+    output first left the baseline's and the baseline's top-1 minus top-2 logit there."""
+    rows = []
+    for r in results:
+        row = {
+            "id": r.id,
+            "category": r.category,
+            "baseline_token_ids": r.baseline.tokens if r.baseline is not None else None,
+            "speculative_token_ids": r.speculative.tokens,
+            "accepted_lengths": r.speculative.accepted_lengths,
+            "proposed_lengths": r.speculative.proposed_lengths,
+        }
+        if with_divergence:
+            row["first_divergence"], row["divergence_margin"] = divergence(r)
+        rows.append({**row, **r.extra})
+    return rows
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def metrics_table(rows: dict[str, dict]) -> str:
+    cols = [("prompts", "prompts"), ("new tokens", "new_tokens"), ("tau", "mean_accepted_length"),
+            ("acceptance", "acceptance_rate"), ("baseline tok/s", "baseline_tokens_per_s"),
+            ("speculative tok/s", "speculative_tokens_per_s"), ("speedup", "speedup"),
+            ("match baseline", "outputs_match_baseline")]
+    lines = ["| | " + " | ".join(c for c, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, m in rows.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(m.get(key)) for _, key in cols) + " |")
+    return "\n".join(lines)
+
+
+def predicted_table(rows: dict[str, dict]) -> str:
+    lines = ["| | alpha | E[tokens/step] | tau (measured) | cost ratio c | predicted speedup | measured speedup "
+             "| efficiency |", "|---" * 8 + "|"]
+    for name, m in rows.items():
+        p = m.get("predicted")
+        if p:
+            lines.append(f"| {name} | {_fmt(p['alpha'])} | {_fmt(p['expected_tokens_per_step'])} | "
+                         f"{_fmt(m['mean_accepted_length'])} | {_fmt(p['cost_ratio'])} | {_fmt(p['speedup'])} | "
+                         f"{_fmt(m['speedup'])} | {_fmt(p['efficiency'])} |")
+    return "\n".join(lines)
+
+
+def categories_shown(report: dict) -> dict[str, dict]:
+    """`overall` plus the categories, or `overall` alone when there is one category (the pair would
+    repeat the same figures)."""
+    by = report["by_category"]
+    return {"overall": report["overall"], **(by if len(by) > 1 else {})}
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def subtitle(report: dict) -> str:
+    """What every plot of a run says about the run: device, dtype, K, temperature, prompts."""
+    cfg, env = report["config"], report["environment"]
+    dtype = report.get("numerics", {}).get("dtype", cfg.get("dtype"))
+    return (f"{env.get('device')}, {dtype}, K={cfg.get('num_draft_tokens')}, temperature {cfg.get('temperature')}, "
+            f"{report['overall']['prompts']} prompts")
+
+
+def _figure(width: float, height: float = 3.8):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height))
+
+
+def per_position_figure(series: dict[str, list[float]], title: str, subtitle_text: str):
+    """Fraction of verification steps that accepted draft position i, one line per series."""
+    fig = _figure(6.4)
+    ax = fig.add_subplot()
+    longest = max((len(v) for v in series.values()), default=0)
+    for name, values in series.items():
+        if values:
+            ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
+    ax.set_xticks(range(1, longest + 1))  # positions are whole numbers
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction of steps accepted")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
+    fig.tight_layout()
+    return fig
+
+
+def bar_figure(values: dict[str, float | None], ylabel: str, title: str, subtitle_text: str,
+               line: float | None = 1.0, digits: int = 3):
+    """Bars with their values written on them (1.928 and 1.935 look alike otherwise)."""
+    names = [k for k, v in values.items() if v is not None]
+    fig = _figure(max(4.5, 1.3 * len(names) + 2.5))
+    ax = fig.add_subplot()
+    bars = ax.bar(names, [values[k] for k in names], color="tab:blue")
+    ax.bar_label(bars, labels=[f"{values[k]:.{digits}f}" for k in names], padding=2, fontsize=8)
+    if line is not None:
+        ax.axhline(line, color="gray", linestyle="--", linewidth=1)
+    ax.margins(y=0.15)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
+    fig.tight_layout()
+    return fig
+
+
+def scatter_figure(points: dict[str, tuple[float, float]], title: str, subtitle_text: str):
+    """Measured tau against measured speedup, one labelled point per drafter."""
+    fig = _figure(6.4)
+    ax = fig.add_subplot()
+    for name, (tau, speedup) in points.items():
+        ax.scatter([tau], [speedup])
+        ax.annotate(f"{name} ({tau:.3f}, {speedup:.2f}x)", (tau, speedup), textcoords="offset points",
+                    xytext=(5, 5), fontsize=8)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("tau (mean accepted length)")
+    ax.set_ylabel("measured speedup (×)")
+    ax.margins(0.2)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.savefig(path, dpi=110)
+
+
+# Plain writes: a report is written into a staging directory that is swapped in whole.
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def write_jsonl(path: Path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def report_figures(report: dict) -> dict[str, object]:
+    """The plots of one drafter's report, by file name."""
+    name, overall, by = report["drafter"], report["overall"], report["by_category"]
+    sub = subtitle(report)
+    figures = {}
+    if overall["per_position_acceptance"]:
+        series = {c: m["per_position_acceptance"] for c, m in categories_shown(report).items()}
+        figures["per_position_acceptance.png"] = per_position_figure(series, f"Per-position acceptance: {name}", sub)
+    if overall.get("speedup") is not None and len(by) > 1:
+        figures["speedup_by_category.png"] = bar_figure(
+            {c: m["speedup"] for c, m in categories_shown(report).items()}, "speedup (×)",
+            f"Measured speedup by category: {name}", sub)
+    return figures
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def divergence_sentence(metrics: dict, numerics: dict) -> str | None:
+    """The one sentence that tells rounding near-ties from decoder defects (greedy + baseline)."""
+    diverged, near, n = metrics.get("divergences"), metrics.get("divergences_at_near_ties"), metrics["prompts"]
+    if diverged is None:
+        return None
+    if diverged == 0:
+        return f"All {n} greedy outputs equal the target alone's, token for token."
+    tol, dtype = numerics.get("near_tie_tolerance"), numerics.get("dtype")
+    text = (f"{diverged} of {n} greedy outputs differ from the target alone's; {near} of these divergences are at "
+            f"near-ties (the target's top-1 minus top-2 logit at the first differing token is at most {tol} in "
+            f"{dtype}), which come from different rounding of a k-token and a 1-token forward in low precision, "
+            "not from the decoder")
+    if diverged - near:
+        text += (f", while the other {diverged - near} are not near-ties and point to a decoder defect (a `warning:` "
+                 "line was printed for each; see `first_divergence` and `divergence_margin` in outputs.jsonl)")
+    return text + "."
+
+
+def render_markdown(report: dict, title: str = "Acceptance report") -> str:
+    cfg, env, overall = report["config"], report["environment"], report["overall"]
+    numerics, engine = report.get("numerics", {}), report.get("engine", {})
+    lines = [
+        f"# {title}: {report['drafter']}",
+        "",
+        f"Target `{cfg.get('target')}`, drafter `{report['drafter']}`, K={cfg.get('num_draft_tokens')}, "
+        f"temperature {cfg.get('temperature')}, top-p {cfg.get('top_p')}, max new tokens "
+        f"{cfg.get('max_new_tokens')}, {overall['prompts']} prompts, dtype {numerics.get('dtype', cfg.get('dtype'))}, "
+        f"on {env.get('device')} (torch {env.get('torch')}, transformers {env.get('transformers')}).",
+    ]
+    if engine:
+        lines += ["", f"Engine: {engine.get('used')} (requested {engine.get('requested')}); compile/capture "
+                      f"{_fmt(engine.get('compile_seconds'), 1)} s, not counted in tokens/s."]
+    lines += [
+        "",
+        "tau = mean accepted length = new tokens / target forward passes (plain decoding: 1.0). "
+        "Speedup = speculative tokens/s ÷ baseline tokens/s, both measured in this run on the same prompts.",
+        "",
+        *_heads_note(report.get("heads")),
+        "## Overall" + (" and by category" if len(report["by_category"]) > 1 else ""),
+        "",
+        metrics_table(categories_shown(report)),
+        "",
+    ]
+    sentence = divergence_sentence(overall, numerics)
+    if sentence:
+        lines += [sentence, ""]
+    if overall.get("predicted"):
+        lines += [
+            "## Predicted vs measured speedup",
+            "",
+            "alpha is the per-token acceptance probability of Leviathan et al. (2023), fitted so that the expected "
+            "tokens per step (1 − α^(m+1))/(1 − α), averaged over this run's verification steps with each step's "
+            "own number of drafts m, equals the measured tau. Predicted speedup = that expectation / (K·c + 1) with "
+            "the measured draft/target cost ratio c (0 for n-gram lookup and heads); efficiency = measured / "
+            "predicted speedup.",
+            "",
+            predicted_table(categories_shown(report)),
+            "",
+        ]
+    lat_s, lat_b = overall.get("speculative_token_latency_ms"), overall.get("baseline_token_latency_ms")
+    lines += ["## Per-token latency (ms)", "", "| | p50 | p90 | p99 |", "|---|---|---|---|"]
+    for name, lat in (("speculative", lat_s), ("baseline", lat_b)):
+        if lat:
+            lines.append(f"| {name} | {_fmt(lat['p50'])} | {_fmt(lat['p90'])} | {_fmt(lat['p99'])} |")
+    mem = overall.get("peak_memory_bytes")
+    if mem:
+        lines += ["", f"Peak memory: {mem / 2**20:.0f} MiB ({overall.get('peak_memory_kind')})."]
+    figures = report_figures(report)
+    ppa = overall["per_position_acceptance"]
+    if ppa:
+        lines += ["", "## Per-position acceptance", "",
+                  "| position | " + " | ".join(str(i) for i in range(1, len(ppa) + 1)) + " |",
+                  "|---" * (len(ppa) + 1) + "|",
+                  "| accepted | " + " | ".join(_fmt(v) for v in ppa) + " |"]
+        if "per_position_acceptance.png" in figures:
+            lines += ["", "![per-position acceptance](per_position_acceptance.png)"]
+    if "speedup_by_category.png" in figures:
+        lines += ["", "## Speedup by category", "", "![speedup by category](speedup_by_category.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _heads_note(info: dict | None) -> list[str]:
+    if not info:
+        return []
+    lines = [f"Medusa heads: {info.get('kind', 'medusa-1')}, trained on target `{info.get('target')}`."]
+    if info.get("verifier"):
+        lines.append(f"**The verifier is the adapted target** `{info['verifier']}` (Medusa-2: LoRA adapters were "
+                     "trained jointly with the heads), not the original target; pass it as --target.")
+    return lines + [""]
+
+
+def write_report(out_dir: str | Path, report: dict, results: list[PromptResult]) -> None:
+    """All files of one report into `out_dir`, a staging directory (`outputs.staged_output`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fig in report_figures(report).items():
+        save_figure(fig, out / name)
+    with_divergence = report["overall"].get("divergences") is not None
+    write_jsonl(out / "outputs.jsonl", output_rows(results, with_divergence))
+    (out / "report.md").write_text(render_markdown(report))
+    write_json(out / "report.json", report)

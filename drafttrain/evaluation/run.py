@@ -1,0 +1,332 @@
+"""The evaluation run (SPEC §2): held-out prompts through the speculative decoder and through the
+target alone, interleaved and timed in one process, summed up as a report dict.
+
+Decoders come from a factory, `make_decoder(cfg, models, *, baseline, seed_offset,
+record_margins)`. A decoder has `generate(prompt_ids, max_new_tokens) -> Generation`, `device`
+and `num_draft_tokens`; it may also have `engine` (the name of the engine that runs it, default
+"eager") and `compile_seconds` (compile/capture time spent so far, default 0), which the report
+records and keeps out of tokens/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import resource
+import time
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Callable
+
+import torch
+
+from ..decoding import DraftModelProposer, Generation, NgramProposer, NoProposer, SpeculativeDecoder
+from ..decoding.cache import CachedLM
+from ..errors import UserError
+from ..models import context_length, first_line, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from ..preflight import compatibility_checks, eos_ids, require_compatible
+from ..prompts import EncodedPrompt, encode_prompts, read_prompts
+from .config import EvalConfig, read_tree_file, shared_settings
+from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, defects, metrics_by_category
+
+
+@dataclass
+class LoadedModels:
+    """Everything one evaluation needs, loaded and checked once."""
+
+    target: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    eos: set[int]
+    draft: torch.nn.Module | None = None
+    heads: torch.nn.Module | None = None
+    heads_info: dict = field(default_factory=dict)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.target.dtype).removeprefix("torch.")
+
+
+def load_models(cfg: EvalConfig) -> LoadedModels:
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    tokenizer = load_tokenizer(cfg.target, "target")
+    draft_tok = load_tokenizer(cfg.draft, "draft") if cfg.draft else None
+    target = load_causal_lm(cfg.target, dtype, device, "target")
+    models = LoadedModels(target=target, tokenizer=tokenizer, device=device, eos=eos_ids(target, tokenizer))
+    return attach_drafter(models, cfg, draft_tok)
+
+
+def attach_drafter(models: LoadedModels, cfg: EvalConfig, draft_tok=None) -> LoadedModels:
+    """Load cfg's draft model or heads next to the target, after checking they fit it."""
+    dtype = models.target.dtype
+    if cfg.draft:
+        draft_tok = draft_tok or load_tokenizer(cfg.draft, "draft")
+        models.draft = load_causal_lm(cfg.draft, dtype, models.device, "draft")
+        require_compatible(compatibility_checks(models.target, models.tokenizer, models.draft, draft_tok))
+    if cfg.heads:
+        from ..heads.export import read_heads_info
+
+        models.heads = load_heads(cfg.heads, models.device, dtype)
+        models.heads_info = read_heads_info(cfg.heads)
+    return models
+
+
+def load_heads(path: str, device: torch.device, dtype: torch.dtype):
+    """Medusa heads, or one UserError line for a damaged weights file or non-finite weights."""
+    from ..heads.export import load_medusa
+
+    try:
+        heads = load_medusa(path, device=device, dtype=dtype)
+    except UserError:
+        raise
+    except Exception as e:  # safetensors' SafetensorError (truncated or empty file), a bad pickle, ...
+        raise UserError(f"cannot load the Medusa heads from {path!r}: their weights file is damaged "
+                        f"({first_line(e)}); export the heads again") from e
+    bad = next((name for name, p in heads.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise UserError(f"the Medusa heads at {path!r} have non-finite weights (NaN or inf in {bad}); the file is "
+                        "damaged: export the heads again")
+    return heads
+
+
+def heads_tree(spec: str, heads_info: dict, depth: int) -> tuple[str, list]:
+    """(which tree, its paths cut to `depth`): auto = the tree calibrated when the heads were
+    trained (their config's drafttrain.tree), else the built-in default."""
+    from ..heads.tree import DEFAULT_TREE, chain_tree
+
+    if spec == "auto":
+        stored = heads_info.get("tree")
+        name, paths = ("calibrated", [tuple(p) for p in stored]) if stored else ("default", DEFAULT_TREE)
+    elif spec == "default":
+        name, paths = "default", DEFAULT_TREE
+    elif spec == "chain":
+        name, paths = "chain", chain_tree(depth)
+    else:
+        name, paths = spec, read_tree_file(spec)
+    return name, [p for p in paths if len(p) <= depth]
+
+
+def resolve_engine(cfg: EvalConfig, device: torch.device) -> str:
+    """The engine that will run: this build has the eager one only (`auto` picks it)."""
+    if cfg.engine == "static":
+        raise UserError("--engine static is not available in this build of drafttrain; use --engine eager or auto")
+    return "eager"
+
+
+def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = False, seed_offset: int = 0,
+                 record_margins: bool = False):
+    """The decoder for cfg's drafter, or (`baseline`) the target alone on the same engine.
+    `record_margins` (greedy baselines): keep the target's top-1 minus top-2 logit per token."""
+    generator = None
+    if cfg.temperature > 0:
+        generator = torch.Generator(device=models.device).manual_seed(cfg.seed + seed_offset)
+    name = "none" if baseline else cfg.proposer_name
+    if name == "heads":
+        from ..decoding.medusa import MedusaDecoder
+
+        # K caps the tree's depth; so does the number of heads (head i drafts position i+1).
+        depth = min(cfg.num_draft_tokens, models.heads.config.num_heads)
+        return MedusaDecoder(models.target, models.heads, tree=heads_tree(cfg.tree, models.heads_info, depth)[1],
+                             temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=models.eos,
+                             generator=generator)
+    if name == "draft":
+        proposer = DraftModelProposer(models.draft, models.target.get_output_embeddings().weight.shape[0],
+                                      cfg.temperature, cfg.top_p, generator)
+    elif name == "ngram":
+        proposer = NgramProposer(models.device, max_ngram=cfg.ngram_max)
+    else:
+        proposer = NoProposer(models.device)
+    return SpeculativeDecoder(models.target, proposer, num_draft_tokens=cfg.num_draft_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=models.eos,
+                              generator=generator, record_margins=record_margins)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(decoder, prompt: list[int], max_new: int) -> tuple[Generation, float]:
+    _sync(decoder.device)
+    start = time.perf_counter()
+    gen = decoder.generate(prompt, max_new)
+    _sync(decoder.device)
+    return gen, time.perf_counter() - start
+
+
+def single_token_seconds(model, prompt: list[int], device: torch.device, repeats: int = 10) -> float:
+    """Median time of one cached single-token forward at this prompt's length."""
+    lm = CachedLM(model)
+    lm.reset()
+    lm.forward(torch.tensor(prompt, dtype=torch.long, device=device))
+    one = torch.tensor(prompt[-1:], dtype=torch.long, device=device)
+    times = []
+    for _ in range(repeats + 2):
+        _sync(device)
+        start = time.perf_counter()
+        lm.forward(one)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        lm.rollback(lm.length - 1)
+    return median(times[2:])
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    if device.type == "cuda":
+        name = f"cuda ({torch.cuda.get_device_name(device)})"
+    else:
+        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+            "drafttrain": __version__}
+
+
+def numerics(dtype_name: str) -> dict:
+    """The report's `numerics` block: the dtype and the near-tie tolerance its divergences are judged by."""
+    return {"dtype": dtype_name, "near_tie_tolerance": NEAR_TIE_TOLERANCE.get(dtype_name),
+            "near_tie": "a greedy divergence from the target alone is a near-tie when the baseline's top-1 minus "
+                        "top-2 logit there is at most near_tie_tolerance: rounding, not a decoder defect"}
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA max allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process max RSS"
+
+
+@dataclass
+class Evaluation:
+    """One drafter's report (SPEC §2 report.json) with the per-prompt records behind it."""
+
+    cfg: EvalConfig
+    report: dict
+    results: list[PromptResult]
+
+    def defect_warnings(self, prefix: str = "") -> list[str]:
+        """One `warning:` line per prompt whose greedy output left the baseline's at no near-tie."""
+        num = self.report["numerics"]
+        if self.report["overall"].get("divergences") is None:
+            return []
+        return [f"warning: {prefix}prompt {pid!r}: the speculative output differs from the target alone's at token "
+                f"{index}, where the target's top-1 minus top-2 logit is "
+                f"{'unknown' if margin is None else f'{margin:.4g}'}, above the {num['dtype']} near-tie tolerance "
+                f"{num['near_tie_tolerance']}: not rounding, a decoder defect; please report it with this report"
+                for pid, index, margin in defects(self.results, num["near_tie_tolerance"])]
+
+
+DecoderFactory = Callable[..., object]
+
+
+def check_inputs(cfgs: list[EvalConfig]) -> None:
+    """Everything that can be checked without a model: settings and prompt files."""
+    for cfg in cfgs:
+        cfg.validate()
+        if shared_settings(cfg) != shared_settings(cfgs[0]):
+            raise UserError("compared drafters must share target, prompts and decoding settings")
+    read_prompts(cfgs[0].prompts, cfgs[0].limit)
+
+
+def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, progress: bool = True,
+             decoder_factory: DecoderFactory | None = None) -> list[Evaluation]:
+    """Several drafters on the same target and prompts, in one process, side by side.
+
+    Every prompt is decoded once by the target alone and then by each drafter, interleaved, so
+    drift in the machine's speed hits all of them alike; each drafter's report shares that
+    baseline. The configs may differ only in the drafter, its name and the output directory.
+    Nothing is written here.
+    """
+    from tqdm.auto import tqdm
+
+    factory = decoder_factory or make_decoder
+    first = cfgs[0]
+    check_inputs(cfgs)
+    if models is None:
+        resolve_engine(first, resolve_device(first.device))
+        models = [load_models(first)]
+        for cfg in cfgs[1:]:
+            models.append(attach_drafter(dataclasses.replace(models[0], draft=None, heads=None, heads_info={}), cfg))
+    loaded = models[0]
+    prompts = encode_prompts(read_prompts(first.prompts, first.limit), loaded.tokenizer,
+                             max_new_tokens=first.max_new_tokens, context_limit=context_length(loaded.target))
+    torch.manual_seed(first.seed)
+    if loaded.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(loaded.device)
+
+    with_baseline = first.baseline == "ours"
+    margins = with_baseline and first.greedy
+    specs = [factory(cfg, m) for cfg, m in zip(cfgs, models)]
+    base = factory(first, loaded, baseline=True, record_margins=margins) if with_baseline else None
+    # Warm-up (kernels, allocator, caches, compilation) with decoders of their own, so the seeded
+    # runs are untouched; its time is not counted anywhere.
+    warmups = [factory(cfg, m, seed_offset=1000) for cfg, m in zip(cfgs, models)]
+    if with_baseline:
+        warmups.append(factory(first, loaded, baseline=True, seed_offset=1000, record_margins=margins))
+    start = time.perf_counter()
+    for decoder in warmups:
+        decoder.generate(prompts[0].ids, min(8, first.max_new_tokens))
+    warmup_seconds = time.perf_counter() - start
+
+    results: list[list[PromptResult]] = [[] for _ in cfgs]
+    with tqdm(prompts, desc="eval", unit="prompt", disable=not progress) as bar:
+        for p in bar:
+            baseline = timed_generate(base, p.ids, first.max_new_tokens) if base is not None else (None, None)
+            for spec, rs in zip(specs, results):
+                r = PromptResult(p.id, p.category, *timed_generate(spec, p.ids, first.max_new_tokens))
+                r.baseline, r.baseline_seconds = baseline
+                rs.append(r)
+
+    decoders = [*specs, *warmups, *([base] if base is not None else [])]
+    engine = {"requested": first.engine, "used": getattr(specs[0], "engine", "eager"),
+              "compile_seconds": sum(getattr(d, "compile_seconds", 0.0) for d in decoders),
+              "warmup_seconds": warmup_seconds}
+    return [Evaluation(cfg, build_report(cfg, m, spec, rs, prompts[0], engine), rs)
+            for cfg, m, spec, rs in zip(cfgs, models, specs, results)]
+
+
+def build_report(cfg: EvalConfig, models: LoadedModels, spec, results: list[PromptResult], probe: EncodedPrompt,
+                 engine: dict) -> dict:
+    k = 0 if cfg.proposer_name == "none" else spec.num_draft_tokens
+    cost = None
+    if k:
+        cost = 0.0  # n-gram lookup and heads cost next to nothing beside a target forward
+        if models.draft is not None:
+            cost = (single_token_seconds(models.draft, probe.ids, models.device)
+                    / single_token_seconds(models.target, probe.ids, models.device))
+    num = numerics(models.dtype_name)
+    kwargs = {"cost_ratio": cost, "near_tie_tolerance": num["near_tie_tolerance"]}
+    overall = compute_metrics(results, k, cfg.greedy, **kwargs)
+    mem, mem_kind = peak_memory(models.device)
+    overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
+    if cfg.proposer_name == "heads":
+        overall["per_head_acceptance"] = overall["per_position_acceptance"]  # position i = head i's token
+        overall["tree_nodes"] = spec.num_tree_nodes
+        overall["tree"] = heads_tree(cfg.tree, models.heads_info, 1)[0] if cfg.greedy else "chain (sampling)"
+    return {
+        "drafter": cfg.drafter_name,
+        # SPEC §2 rev 2: config.engine is the engine used; what was asked for is engine.requested.
+        "config": {**dataclasses.asdict(cfg), "engine": engine["used"]},
+        "environment": environment(models.device),
+        "numerics": num,
+        "engine": dict(engine),
+        **({"heads": models.heads_info} if models.heads_info else {}),
+        "overall": overall,
+        "by_category": metrics_by_category(results, k, cfg.greedy, **kwargs),
+    }
+
+
+def run_eval(cfg: EvalConfig, progress: bool = True, decoder_factory: DecoderFactory | None = None) -> Evaluation:
+    """`drafttrain eval`: check everything, run, and write the report into cfg.out (replacing an
+    earlier one only with cfg.overwrite)."""
+    from .outputs import prepare_output_dir, staged_output
+    from .report import write_report
+
+    check_inputs([cfg])
+    prepare_output_dir(cfg.out, cfg.overwrite)
+    evaluation = evaluate([cfg], progress=progress, decoder_factory=decoder_factory)[0]
+    with staged_output(cfg.out) as stage:
+        write_report(stage, evaluation.report, evaluation.results)
+    return evaluation
