@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass
 
 from .errors import UserError
+from .tokens import eos_token_ids, output_vocab_size
 
 
 @dataclass
@@ -18,21 +19,6 @@ class Check:
     name: str
     ok: bool
     detail: str
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    value = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if value is None:
-        value = getattr(model.config, "eos_token_id", None)
-    if isinstance(value, int):
-        ids.add(value)
-    elif isinstance(value, (list, tuple)):
-        ids.update(int(v) for v in value)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
 
 
 def first_vocab_difference(target_vocab: dict[str, int], draft_vocab: dict[str, int]) -> str | None:
@@ -59,11 +45,12 @@ def compatibility_checks(target_model, target_tok, draft_model, draft_tok) -> li
     checks.append(Check("special tokens", not bad,
                         f"{bad[0]}: target {t_special.get(bad[0])!r}, draft {d_special.get(bad[0])!r}" if bad
                         else ", ".join(f"{k}={v}" for k, v in sorted(t_special.items()))))
-    t_eos, d_eos = eos_ids(target_model, target_tok), eos_ids(draft_model, draft_tok)
+    t_eos = set(eos_token_ids(target_tok, target_model))
+    d_eos = set(eos_token_ids(draft_tok, draft_model))
     checks.append(Check("EOS", t_eos == d_eos, f"target {sorted(t_eos)}, draft {sorted(d_eos)}"))
     n_tok = len(target_tok)
     for who, model in (("target", target_model), ("draft", draft_model)):
-        rows = model.get_output_embeddings().weight.shape[0]
+        rows = output_vocab_size(model)
         checks.append(Check(f"{who} output vocabulary covers the tokenizer", rows >= n_tok,
                             f"{rows} logits for {n_tok} tokens"))
     return checks

@@ -47,8 +47,9 @@ from drafttrain.heads.loss import HeadsObjective, JointObjective
 from drafttrain.heads.model import MedusaHeads
 from drafttrain.heads.tree import default_tree, tree_from_accuracies
 from drafttrain.models import DTYPES, load_causal_lm, load_tokenizer, resolve_dtype
+from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size
-from drafttrain.training.heldout import EvalPrompt, greedy_acceptance, table_row
+from drafttrain.training.heldout import greedy_acceptance, table_row
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
 
 # ----------------------------------------------------------------------------- config
@@ -315,7 +316,7 @@ def add_lora(target, cfg: HeadsLoraConfig):
     return get_peft_model(target, peft_cfg)
 
 
-def heads_acceptance(target, heads: MedusaHeads, prompts: list[EvalPrompt], *, tree_depth: int,
+def heads_acceptance(target, heads: MedusaHeads, prompts: list[EncodedPrompt], *, tree_depth: int,
                      max_new_tokens: int, eos_token_ids: set[int], tree: list | None = None) -> dict:
     """Greedy Medusa tree decoding of `prompts`: tau, acceptance and per-head acceptance (with
     `tree`, or the default tree cut to `tree_depth`)."""

@@ -43,5 +43,5 @@ if [ "$HEADS" = 1 ]; then
 fi
 drafttrain compare --target "$TARGET" "${drafters[@]}" --drafter ngram=ngram \
   --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens 4 \
-  --out "$OUT/report"
+  --out "$OUT/report" --overwrite
 echo "acceptance report: $OUT/report/comparison.md (one full report per drafter beside it)"

@@ -30,3 +30,16 @@ def test_an_unwritable_place_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "mkstemp", denied)
     with pytest.raises(UserError, match="not writable .Permission denied"):
         check_output_dir(tmp_path / "out")
+
+
+def test_atomic_writes_get_normal_permissions(tmp_path):
+    import os
+
+    from drafttrain.fileio import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "r.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 from drafttrain.cli import main
 from drafttrain.errors import UserError
-from drafttrain.preflight import compatibility_checks, eos_ids, first_vocab_difference, require_compatible
+from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 
 CHECKS = ["token-to-id map", "special tokens", "EOS", "target output vocabulary covers the tokenizer",
           "draft output vocabulary covers the tokenizer"]
@@ -179,15 +179,6 @@ def test_different_eos_fails(target):
     checks = compatibility_checks(target, tok, draft, tok)
     assert failed(checks) == ["EOS"]
     assert "target [2], draft [2, 7]" in checks[2].detail
-
-
-def test_eos_ids_unite_generation_config_and_tokenizer():
-    model = tiny_lm(1, layers=1, eos_token_id=9)
-    assert eos_ids(model, None) == {9}
-    model.generation_config.eos_token_id = [5, 9]
-    assert eos_ids(model, tiny_tokenizer()) == {2, 5, 9}
-    model.generation_config.eos_token_id = None
-    assert eos_ids(model, None) == {9}  # falls back to the model config
 
 
 def test_first_vocab_difference():

@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .compare import run_compare
 from .config import EvalConfig, add_flags, from_args
+from .replay import ReplayConfig, format_results, run_replay
+from .run import run_eval
 
 INTERRUPTED_REPORT = "interrupted: no report written (an earlier report in --out is unchanged)"
 
@@ -27,8 +30,6 @@ def add_cli(sub) -> None:
                "that exists and is not empty is refused unless --overwrite."})
     p.set_defaults(func=run_compare_cli, interrupted=INTERRUPTED_REPORT)
 
-    from .replay import ReplayConfig
-
     p = sub.add_parser("replay", help="greedy acceptance of drafts replayed over a report's target outputs",
                        description="One forward pass per prompt and draft over a greedy report's outputs.jsonl "
                                    "gives exactly the accepted lengths greedy decoding would; no timings.")
@@ -42,8 +43,6 @@ def _summary(name: str, overall: dict) -> str:
 
 
 def run_eval_cli(args: argparse.Namespace) -> int:
-    from .run import run_eval
-
     cfg = from_args(EvalConfig, args)
     evaluation = run_eval(cfg, progress=not cfg.quiet)
     for line in evaluation.defect_warnings():
@@ -53,8 +52,6 @@ def run_eval_cli(args: argparse.Namespace) -> int:
 
 
 def run_compare_cli(args: argparse.Namespace) -> int:
-    from .compare import run_compare
-
     base = from_args(EvalConfig, args, method="none")
     evaluations = run_compare(base, args.drafter, progress=not base.quiet)
     for e in evaluations:
@@ -67,8 +64,6 @@ def run_compare_cli(args: argparse.Namespace) -> int:
 
 
 def run_replay_cli(args: argparse.Namespace) -> int:
-    from .replay import ReplayConfig, format_results, run_replay
-
     cfg = from_args(ReplayConfig, args)
     for line in format_results(run_replay(cfg, progress=not cfg.quiet)):
         print(line)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .config import EvalConfig, shared_settings
+from .outputs import prepare_output_dir, staged_output
 from .report import (_fmt, bar_figure, per_position_figure, save_figure, scatter_figure, subtitle, write_json,
                      write_report)
 from .run import DecoderFactory, Evaluation, check_inputs, evaluate
@@ -114,7 +115,6 @@ def run_compare(base: EvalConfig, drafters: list[str], progress: bool = True,
                 decoder_factory: DecoderFactory | None = None) -> list[Evaluation]:
     """`drafttrain compare`: check everything, run every drafter, write the comparison into base.out
     (replacing an earlier one whole only with base.overwrite)."""
-    from .outputs import prepare_output_dir, staged_output
 
     cfgs = drafter_configs(base, drafters)
     check_inputs(cfgs)

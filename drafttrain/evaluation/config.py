@@ -9,6 +9,7 @@ into `--field-name` (type from the annotation, `(default: ...)` appended to the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from dataclasses import MISSING, dataclass, fields
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..decoding.defaults import NUM_DRAFT_TOKENS
 from ..errors import UserError
+from ..heads.tree import check_paths
 
 TREE_CHOICES = ("auto", "default", "chain")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -135,13 +137,8 @@ def validate_choices(cfg) -> None:
 
 def read_tree_file(path: str) -> list:
     """A tree as JSON: a list of paths, each a list of top-k choice indices, e.g. [[0], [1], [0, 0]]."""
-    import json
-
-    from ..heads.tree import build_tree_buffers
-
     try:
-        paths = [tuple(p) for p in json.loads(Path(path).read_text())]
-        build_tree_buffers(paths)
+        paths = check_paths(tuple(p) for p in json.loads(Path(path).read_text()))
     except OSError as e:
         raise UserError(f"--tree {path}: cannot read it ({e.strerror}); use auto, default, chain or a JSON file of "
                         "paths like [[0], [1], [0, 0]]") from e

@@ -20,6 +20,9 @@ import torch
 
 from ..decoding.defaults import NUM_DRAFT_TOKENS
 from ..errors import UserError
+from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from ..preflight import first_vocab_difference
+from ..prompts import encode_prompt, read_prompts
 from .config import DTYPE_CHOICES, option, validate_choices
 
 
@@ -174,9 +177,6 @@ def parse_draft(spec: str) -> tuple[str, str]:
 def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
     from tqdm.auto import tqdm
 
-    from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-    from ..preflight import first_vocab_difference
-    from ..prompts import encode_prompt, read_prompts
 
     validate_choices(cfg)
     if cfg.num_draft_tokens < 1:

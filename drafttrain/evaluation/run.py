@@ -2,10 +2,10 @@
 target alone, interleaved and timed in one process, summed up as a report dict.
 
 Decoders come from a factory, `make_decoder(cfg, models, *, baseline, seed_offset,
-record_margins)`. A decoder has `generate(prompt_ids, max_new_tokens) -> Generation`, `device`
-and `num_draft_tokens`; it may also have `engine` (the name of the engine that runs it, default
-"eager") and `compile_seconds` (compile/capture time spent so far, default 0), which the report
-records and keeps out of tokens/s.
+record_margins)`. A decoder has `generate(prompt_ids, max_new_tokens) -> Generation`, `device`,
+`num_draft_tokens` and `warmup()`. The target and each draft model are bound to ONE cached LM
+each (`--engine`), built once the prompts are known and shared by every decoder of the run, so
+steps are compiled and captured once; that time is reported on its own, never in tokens/s.
 """
 
 from __future__ import annotations
@@ -20,14 +20,22 @@ from typing import Callable
 
 import torch
 
-from ..decoding import DraftModelProposer, Generation, NgramProposer, NoProposer, SpeculativeDecoder
-from ..decoding.cache import CachedLM
+from .. import __version__
+from ..decoding import (CachedLM, DraftModelProposer, Generation, NgramProposer, NoProposer, SpeculativeDecoder,
+                        as_cached_lm, cached_lm)
+from ..decoding.lm import device_tensor
+from ..decoding.medusa import MedusaDecoder
 from ..errors import UserError
+from ..heads.export import load_medusa, read_heads_info
+from ..heads.tree import DEFAULT_TREE, chain_tree
 from ..models import context_length, first_line, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-from ..preflight import compatibility_checks, eos_ids, require_compatible
+from ..preflight import compatibility_checks, require_compatible
 from ..prompts import EncodedPrompt, encode_prompts, read_prompts
+from ..tokens import eos_token_ids, output_vocab_size
 from .config import EvalConfig, read_tree_file, shared_settings
 from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, defects, metrics_by_category
+from .outputs import prepare_output_dir, staged_output
+from .report import write_report
 
 
 @dataclass
@@ -41,6 +49,8 @@ class LoadedModels:
     draft: torch.nn.Module | None = None
     heads: torch.nn.Module | None = None
     heads_info: dict = field(default_factory=dict)
+    target_lm: CachedLM | None = None  # the engine-bound models (`bind_engine`), shared by every decoder
+    draft_lm: CachedLM | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -53,7 +63,7 @@ def load_models(cfg: EvalConfig) -> LoadedModels:
     tokenizer = load_tokenizer(cfg.target, "target")
     draft_tok = load_tokenizer(cfg.draft, "draft") if cfg.draft else None
     target = load_causal_lm(cfg.target, dtype, device, "target")
-    models = LoadedModels(target=target, tokenizer=tokenizer, device=device, eos=eos_ids(target, tokenizer))
+    models = LoadedModels(target=target, tokenizer=tokenizer, device=device, eos=set(eos_token_ids(tokenizer, target)))
     return attach_drafter(models, cfg, draft_tok)
 
 
@@ -65,8 +75,6 @@ def attach_drafter(models: LoadedModels, cfg: EvalConfig, draft_tok=None) -> Loa
         models.draft = load_causal_lm(cfg.draft, dtype, models.device, "draft")
         require_compatible(compatibility_checks(models.target, models.tokenizer, models.draft, draft_tok))
     if cfg.heads:
-        from ..heads.export import read_heads_info
-
         models.heads = load_heads(cfg.heads, models.device, dtype)
         models.heads_info = read_heads_info(cfg.heads)
     return models
@@ -74,8 +82,6 @@ def attach_drafter(models: LoadedModels, cfg: EvalConfig, draft_tok=None) -> Loa
 
 def load_heads(path: str, device: torch.device, dtype: torch.dtype):
     """Medusa heads, or one UserError line for a damaged weights file or non-finite weights."""
-    from ..heads.export import load_medusa
-
     try:
         heads = load_medusa(path, device=device, dtype=dtype)
     except UserError:
@@ -93,8 +99,6 @@ def load_heads(path: str, device: torch.device, dtype: torch.dtype):
 def heads_tree(spec: str, heads_info: dict, depth: int) -> tuple[str, list]:
     """(which tree, its paths cut to `depth`): auto = the tree calibrated when the heads were
     trained (their config's drafttrain.tree), else the built-in default."""
-    from ..heads.tree import DEFAULT_TREE, chain_tree
-
     if spec == "auto":
         stored = heads_info.get("tree")
         name, paths = ("calibrated", [tuple(p) for p in stored]) if stored else ("default", DEFAULT_TREE)
@@ -107,11 +111,27 @@ def heads_tree(spec: str, heads_info: dict, depth: int) -> tuple[str, list]:
     return name, [p for p in paths if len(p) <= depth]
 
 
-def resolve_engine(cfg: EvalConfig, device: torch.device) -> str:
-    """The engine that will run: this build has the eager one only (`auto` picks it)."""
-    if cfg.engine == "static":
-        raise UserError("--engine static is not available in this build of drafttrain; use --engine eager or auto")
-    return "eager"
+def cache_room(cfg: EvalConfig, models: LoadedModels) -> int:
+    """Tokens one verification step may add beyond the emitted ones: K + 1, or a tree's nodes."""
+    if cfg.proposer_name == "heads":
+        depth = min(cfg.num_draft_tokens, models.heads.config.num_heads)
+        return max(cfg.num_draft_tokens, len(heads_tree(cfg.tree, models.heads_info, depth)[1])) + 1
+    return cfg.num_draft_tokens + 1
+
+
+def bind_engine(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: list[EncodedPrompt]) -> str:
+    """Bind the target (once, shared) and every draft model to a cached LM on `--engine`, sized for
+    the longest prompt; returns the target's engine. `auto` decides per model (a draft the static
+    engine cannot run stays eager); an explicit `static` on an unsupported model is an error."""
+    first = cfgs[0]
+    max_length = (max(len(p.ids) for p in prompts) + first.max_new_tokens
+                  + max(cache_room(cfg, m) for cfg, m in zip(cfgs, models)))
+    target_lm = cached_lm(models[0].target, first.engine, max_length=max_length)
+    for cfg, m in zip(cfgs, models):
+        m.target_lm = target_lm
+        if m.draft is not None:
+            m.draft_lm = cached_lm(m.draft, cfg.engine, max_length=max_length)
+    return target_lm.engine
 
 
 def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = False, seed_offset: int = 0,
@@ -122,22 +142,21 @@ def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = Fals
     if cfg.temperature > 0:
         generator = torch.Generator(device=models.device).manual_seed(cfg.seed + seed_offset)
     name = "none" if baseline else cfg.proposer_name
+    target = models.target_lm or models.target
     if name == "heads":
-        from ..decoding.medusa import MedusaDecoder
-
         # K caps the tree's depth; so does the number of heads (head i drafts position i+1).
         depth = min(cfg.num_draft_tokens, models.heads.config.num_heads)
-        return MedusaDecoder(models.target, models.heads, tree=heads_tree(cfg.tree, models.heads_info, depth)[1],
+        return MedusaDecoder(target, models.heads, tree=heads_tree(cfg.tree, models.heads_info, depth)[1],
                              temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=models.eos,
                              generator=generator)
     if name == "draft":
-        proposer = DraftModelProposer(models.draft, models.target.get_output_embeddings().weight.shape[0],
+        proposer = DraftModelProposer(models.draft_lm or models.draft, output_vocab_size(models.target),
                                       cfg.temperature, cfg.top_p, generator)
     elif name == "ngram":
         proposer = NgramProposer(models.device, max_ngram=cfg.ngram_max)
     else:
         proposer = NoProposer(models.device)
-    return SpeculativeDecoder(models.target, proposer, num_draft_tokens=cfg.num_draft_tokens,
+    return SpeculativeDecoder(target, proposer, num_draft_tokens=cfg.num_draft_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=models.eos,
                               generator=generator, record_margins=record_margins)
 
@@ -155,18 +174,18 @@ def timed_generate(decoder, prompt: list[int], max_new: int) -> tuple[Generation
     return gen, time.perf_counter() - start
 
 
-def single_token_seconds(model, prompt: list[int], device: torch.device, repeats: int = 10) -> float:
-    """Median time of one cached single-token forward at this prompt's length."""
-    lm = CachedLM(model)
+def single_token_seconds(lm: CachedLM, prompt: list[int], repeats: int = 10) -> float:
+    """Median time of one cached single-token forward at this prompt's length, on the run's engine."""
+    lm.warmup([1])
     lm.reset()
-    lm.forward(torch.tensor(prompt, dtype=torch.long, device=device))
-    one = torch.tensor(prompt[-1:], dtype=torch.long, device=device)
+    lm.forward(device_tensor(prompt[:-1], lm.device))
+    one = device_tensor(prompt[-1:], lm.device)
     times = []
     for _ in range(repeats + 2):
-        _sync(device)
+        _sync(lm.device)
         start = time.perf_counter()
         lm.forward(one)
-        _sync(device)
+        _sync(lm.device)
         times.append(time.perf_counter() - start)
         lm.rollback(lm.length - 1)
     return median(times[2:])
@@ -174,8 +193,6 @@ def single_token_seconds(model, prompt: list[int], device: torch.device, repeats
 
 def environment(device: torch.device) -> dict:
     import transformers
-
-    from .. import __version__
 
     if device.type == "cuda":
         name = f"cuda ({torch.cuda.get_device_name(device)})"
@@ -245,13 +262,13 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     first = cfgs[0]
     check_inputs(cfgs)
     if models is None:
-        resolve_engine(first, resolve_device(first.device))
         models = [load_models(first)]
         for cfg in cfgs[1:]:
             models.append(attach_drafter(dataclasses.replace(models[0], draft=None, heads=None, heads_info={}), cfg))
     loaded = models[0]
     prompts = encode_prompts(read_prompts(first.prompts, first.limit), loaded.tokenizer,
                              max_new_tokens=first.max_new_tokens, context_limit=context_length(loaded.target))
+    engine_used = bind_engine(cfgs, models, prompts)
     torch.manual_seed(first.seed)
     if loaded.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(loaded.device)
@@ -260,8 +277,13 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     margins = with_baseline and first.greedy
     specs = [factory(cfg, m) for cfg, m in zip(cfgs, models)]
     base = factory(first, loaded, baseline=True, record_margins=margins) if with_baseline else None
-    # Warm-up (kernels, allocator, caches, compilation) with decoders of their own, so the seeded
-    # runs are untouched; its time is not counted anywhere.
+    # Compile and capture every step shape first (static engine; nothing to do on eager), then
+    # warm up (kernels, allocator, caches) with decoders of their own, so the seeded runs are
+    # untouched. Neither is counted in tokens/s; both are reported.
+    for decoder in [*specs, *([base] if base is not None else [])]:
+        warm = getattr(decoder, "warmup", None)
+        if warm is not None:
+            warm()
     warmups = [factory(cfg, m, seed_offset=1000) for cfg, m in zip(cfgs, models)]
     if with_baseline:
         warmups.append(factory(first, loaded, baseline=True, seed_offset=1000, record_margins=margins))
@@ -279,10 +301,13 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                 r.baseline, r.baseline_seconds = baseline
                 rs.append(r)
 
-    decoders = [*specs, *warmups, *([base] if base is not None else [])]
-    engine = {"requested": first.engine, "used": getattr(specs[0], "engine", "eager"),
-              "compile_seconds": sum(getattr(d, "compile_seconds", 0.0) for d in decoders),
+    lms = {id(lm): lm for m in models for lm in (m.target_lm, m.draft_lm) if lm is not None}
+    engine = {"requested": first.engine, "used": engine_used,
+              "compile_seconds": sum(lm.compile_seconds for lm in lms.values()),
               "warmup_seconds": warmup_seconds}
+    drafts = {m.draft_lm.engine for m in models if m.draft_lm is not None}
+    if drafts - {engine_used}:
+        engine["draft_engines"] = sorted(drafts)
     return [Evaluation(cfg, build_report(cfg, m, spec, rs, prompts[0], engine), rs)
             for cfg, m, spec, rs in zip(cfgs, models, specs, results)]
 
@@ -294,8 +319,8 @@ def build_report(cfg: EvalConfig, models: LoadedModels, spec, results: list[Prom
     if k:
         cost = 0.0  # n-gram lookup and heads cost next to nothing beside a target forward
         if models.draft is not None:
-            cost = (single_token_seconds(models.draft, probe.ids, models.device)
-                    / single_token_seconds(models.target, probe.ids, models.device))
+            cost = (single_token_seconds(models.draft_lm or as_cached_lm(models.draft), probe.ids)
+                    / single_token_seconds(models.target_lm or as_cached_lm(models.target), probe.ids))
     num = numerics(models.dtype_name)
     kwargs = {"cost_ratio": cost, "near_tie_tolerance": num["near_tie_tolerance"]}
     overall = compute_metrics(results, k, cfg.greedy, **kwargs)
@@ -321,8 +346,6 @@ def build_report(cfg: EvalConfig, models: LoadedModels, spec, results: list[Prom
 def run_eval(cfg: EvalConfig, progress: bool = True, decoder_factory: DecoderFactory | None = None) -> Evaluation:
     """`drafttrain eval`: check everything, run, and write the report into cfg.out (replacing an
     earlier one only with cfg.overwrite)."""
-    from .outputs import prepare_output_dir, staged_output
-    from .report import write_report
 
     check_inputs([cfg])
     prepare_output_dir(cfg.out, cfg.overwrite)

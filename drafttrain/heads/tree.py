@@ -87,11 +87,3 @@ def check_paths(paths) -> list[Path]:
         if len(p) > 1 and p[:-1] not in known:
             raise ValueError(f"tree path {p!r} has no parent {p[:-1]!r} in the tree")
     return sorted(paths, key=lambda p: (len(p), p))
-
-
-def build_tree_buffers(paths):
-    """Deprecated here: `drafttrain.decoding.tree.build_tree_buffers` (kept until evaluation
-    imports it from there; to only validate a tree, use `check_paths`)."""
-    from ..decoding.tree import build_tree_buffers as build
-
-    return build(paths)

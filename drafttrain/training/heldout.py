@@ -8,31 +8,17 @@ accepted length, SPEC §2). Every drafter kind builds its decoder; the rest is s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from ..errors import UserError
-from ..metrics import PromptResult, compute_metrics
+from ..evaluation.metrics import PromptResult, compute_metrics
 from ..models import context_length
-from ..prompts import encode_prompt
+from ..prompts import EncodedPrompt, encode_prompts
 
 
-@dataclass
-class EvalPrompt:
-    id: object
-    category: str
-    ids: list[int]
-
-
-def eval_prompts(records, tokenizer, target, *, num_prompts: int, max_new_tokens: int) -> list[EvalPrompt]:
+def eval_prompts(records, tokenizer, target, *, num_prompts: int, max_new_tokens: int) -> list[EncodedPrompt]:
     """The first `num_prompts` held-out prompts that fit the target's context with the answer."""
-    limit = context_length(target)
-    out = []
-    for r in records:
-        ids = encode_prompt(r, tokenizer)
-        if limit is None or len(ids) + max_new_tokens <= limit:
-            out.append(EvalPrompt(r.id, r.category, ids))
-        if len(out) == num_prompts:
-            break
+    out = encode_prompts(records, tokenizer, max_new_tokens=max_new_tokens, context_limit=context_length(target),
+                         on_too_long="skip", max_prompts=num_prompts)
     if not out:
         raise UserError("no held-out prompt fits the target's context together with eval.max_new_tokens; "
                         "lower eval.max_new_tokens or hold out shorter prompts")
@@ -43,7 +29,7 @@ ACCEPTANCE_KEYS = ("prompts", "new_tokens", "target_forwards", "draft_tokens", "
                    "mean_accepted_length", "per_position_acceptance", "per_position_acceptance_when_proposed")
 
 
-def greedy_acceptance(decoder, prompts: list[EvalPrompt], max_new_tokens: int, extra: dict | None = None) -> dict:
+def greedy_acceptance(decoder, prompts: list[EncodedPrompt], max_new_tokens: int, extra: dict | None = None) -> dict:
     """Greedy decoding of `prompts` with one of drafttrain's decoders: tau and acceptance (+ `extra`)."""
     results = []
     for p in prompts:

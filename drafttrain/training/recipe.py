@@ -42,10 +42,11 @@ from ..errors import UserError
 from ..fileio import atomic_write_json
 from ..home import expand_vars
 from ..models import DTYPES, check_model_path, first_line
+from ..prompts import EncodedPrompt
 from ..tokens import eos_token_ids, pad_token_id
 from .config import OptimConfig, TrainConfig
 from .distributed import build_accelerator, close_process_group, zero3_init_disabled
-from .heldout import EvalPrompt, eval_prompts
+from .heldout import eval_prompts
 from .run_dir import RunDirectory
 from .trainer import TrainResult, train
 
@@ -213,7 +214,7 @@ class Recipe:
         self.collator = self.make_collator()
         self.trainable = self.build_trainable()
 
-    def prepare_data(self) -> tuple[DistillData, list[EvalPrompt]]:
+    def prepare_data(self) -> tuple[DistillData, list[EncodedPrompt]]:
         """The target's answers to the training prompts (generated once, cached), the held-out
         prompts (saved to heldout.jsonl for `drafttrain eval`) and the first of them that
         evaluation decodes."""

@@ -31,29 +31,38 @@ def setup(tmp_path_factory):
     return root
 
 
+class FlippingLM:
+    """The target's cached LM, but its multi-token (verification) forwards swap the top two
+    logits wherever they are closer than `below`. The run's LM is shared by every decoder, so
+    the speculative decoder gets this wrapper and the baseline keeps the real thing."""
+
+    def __init__(self, lm, below):
+        self.lm, self.below = lm, below
+
+    def __getattr__(self, name):
+        return getattr(self.lm, name)
+
+    def forward(self, tokens, **kw):
+        logits, hidden = self.lm.forward(tokens, **kw)
+        if tokens.numel() > 1:  # a verification forward over pending + drafts
+            top = logits.topk(2, dim=-1)
+            close = (top.values[:, 0] - top.values[:, 1]).float() < self.below
+            close[0] = False  # the pending token's own prediction: keep, so divergences fall later
+            rows = close.nonzero().flatten()
+            logits = logits.clone()
+            logits[rows, top.indices[rows, 0]] = top.values[rows, 1]
+            logits[rows, top.indices[rows, 1]] = top.values[rows, 0]
+        return logits, hidden
+
+
 def flipping_factory(below):
     """make_decoder, with the speculative decoder's verification forwards flipping near-ties."""
     real = run_module.make_decoder
 
     def factory(cfg, models, *, baseline=False, **kwargs):
         decoder = real(cfg, models, baseline=baseline, **kwargs)
-        if baseline:
-            return decoder
-        forward = decoder.target.forward
-
-        def flipped(tokens, **kw):
-            logits = forward(tokens, **kw)
-            if tokens.numel() > 1:  # a verification forward over pending + drafts
-                top = logits.topk(2, dim=-1)
-                close = (top.values[:, 0] - top.values[:, 1]).float() < below
-                close[0] = False  # the pending token's own prediction: keep, so divergences fall later
-                rows = close.nonzero().flatten()
-                logits = logits.clone()
-                logits[rows, top.indices[rows, 0]] = top.values[rows, 1]
-                logits[rows, top.indices[rows, 1]] = top.values[rows, 0]
-            return logits
-
-        decoder.target.forward = flipped
+        if not baseline:
+            decoder.target = FlippingLM(decoder.target, below)
         return decoder
 
     return factory

@@ -54,6 +54,15 @@ def swap_token_ids(model_dir, a="w10", b="w11"):
     path.write_text(json.dumps(spec))
 
 
+def gpt2_lm():
+    """An architecture the static engine does not implement."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=CONTEXT,
+                                      eos_token_id=EOS, bos_token_id=EOS)).eval()
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
@@ -68,6 +77,7 @@ def models(tmp_path_factory):
         "plain_target": save_pair(root / "plain", target, tiny_tokenizer(chat_template=False)),
         "other_eos_draft": save_pair(root / "eos1", tiny_lm(1, eos_token_id=1, max_positions=CONTEXT), tok),
         "swapped_vocab_draft": save_pair(root / "swapped", draft, tok),
+        "gpt2_target": save_pair(root / "gpt2", gpt2_lm(), tok),
     }
     swap_token_ids(dirs["swapped_vocab_draft"])
     for who in ("target", "draft"):
@@ -235,7 +245,9 @@ BAD_INPUT = {
         bad_argv(e, "--out", _a_file(e), target=e.models["truncated_target"]), ["--out", "is a file"]),
     "--out holds a report, damaged draft": lambda e: (
         bad_argv(e, "--out", _old_report(e), drafter=["--draft", e.models["nan_draft"]]), ["--out", "not empty"]),
-    "static engine": lambda e: (bad_argv(e, "--engine", "static"), ["--engine static", "eager"]),
+    "static engine, unsupported model": lambda e: (
+        bad_argv(e, "--engine", "static", target=e.models["gpt2_target"], drafter=["--method", "ngram"]),
+        ["--engine static", "gpt2", "--engine eager"]),
     "unknown engine (argparse)": lambda e: (bad_argv(e, "--engine", "warp"), ["--engine", "warp"]),
     "non-integer K (argparse)": lambda e: (bad_argv(e, "--num-draft-tokens", "three"), ["--num-draft-tokens", "three"]),
 }
@@ -411,6 +423,23 @@ def test_ngram_is_lossless_and_counted(models, prompt_files, references, tmp_pat
     check_bookkeeping(report, rows, K)
     assert report["overall"]["draft_tokens"] > 0  # the repetitive outputs give lookups something to find
     assert report["config"]["method"] == "ngram" and report["config"]["draft"] is None
+
+
+@pytest.mark.parametrize("drafter", [["--draft", "DRAFT"], ["--method", "ngram"]])
+def test_static_engine_is_lossless_and_recorded(models, prompt_files, references, tmp_path, drafter):
+    """--engine static on CPU (uncompiled steps): the same tokens as generate(), engine recorded."""
+    drafter = [models["draft"] if a == "DRAFT" else a for a in drafter]
+    out, report, rows = run_ok(["eval", "--target", models["target"], *drafter, *prompts_argv(prompt_files),
+                                "--num-draft-tokens", str(K), "--max-new-tokens", str(MAX_NEW), "--dtype", "float64",
+                                "--engine", "static", "--out", str(tmp_path / "out"), "--quiet"])
+    assert [r["speculative_token_ids"] for r in rows] == references
+    assert [r["baseline_token_ids"] for r in rows] == references
+    check_bookkeeping(report, rows, K)
+    assert report["config"]["engine"] == "static"
+    assert report["engine"]["requested"] == "static" and report["engine"]["used"] == "static"
+    assert report["engine"]["compile_seconds"] >= 0.0  # reported apart from tokens/s
+    if drafter[0] == "--draft":
+        assert report["overall"]["predicted"]["cost_ratio"] > 0
 
 
 def test_plain_decoding_without_baseline(models, prompt_files, references, tmp_path):
