@@ -343,10 +343,9 @@ class Eagle3Draft(nn.Module):
         """Why this start: linear layers get the usual N(0, 0.02) (HF's initializer_range). The LM
         head starts as the target's LM head rows of the draft vocabulary and `norm` as the
         target's final norm: the draft's output plays the role of the target's last hidden state,
-        so the target's readout of it is the best guess there is. `input_layernorm` starts as the
-        target's first layer's input norm, which is tuned to the scale of these very embeddings.
-        `hidden_norm` / `post_attention_layernorm` start at 1 (the scales of fc's output and of
-        the attention are new)."""
+        so the target's readout of it is the best guess there is. The other norms start at 1.
+        Not the target's first-layer input norm for `input_layernorm`: in SmolLM2 it is ~0.001,
+        which would all but shut the token embedding out of the draft's attention."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -360,10 +359,6 @@ class Eagle3Draft(nn.Module):
         final_norm = getattr(base, "norm", None)
         if getattr(final_norm, "weight", None) is not None and final_norm.weight.shape == self.norm.weight.shape:
             self.norm.weight.copy_(final_norm.weight)
-        layers = getattr(base, "layers", None)
-        first_norm = getattr(layers[0], "input_layernorm", None) if layers is not None and len(layers) else None
-        if getattr(first_norm, "weight", None) is not None and first_norm.weight.shape == self.norm.weight.shape:
-            self.midlayer.input_layernorm.weight.copy_(first_norm.weight)
         self.set_vocab(vocab)
 
     @torch.no_grad()
