@@ -24,7 +24,8 @@ def add_cli(sub) -> None:
     p = sub.add_parser("compare", help="several drafters side by side on one target, in one run",
                        description="Several drafters on one target, one process, one shared baseline.")
     p.add_argument("--drafter", action="append", required=True, metavar="NAME=KIND[:DIR]",
-                   help="NAME=draft:DIR, NAME=heads:DIR, NAME=ngram or NAME=none; repeat for each drafter (required)")
+                   help="NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, NAME=ngram or NAME=none; repeat for each drafter "
+                        "(required)")
     add_flags(p, EvalConfig, drafter=False, docs={
         "out": "Directory for comparison.md/json, the comparison plots and one report per drafter (NAME/). One "
                "that exists and is not empty is refused unless --overwrite."})

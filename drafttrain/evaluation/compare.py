@@ -17,19 +17,21 @@ from .report import (_fmt, bar_figure, per_position_figure, save_figure, scatter
                      write_report)
 from .run import DecoderFactory, Evaluation, check_inputs, evaluate
 
-KINDS = ("draft", "heads", "ngram", "none")
+KINDS = ("draft", "heads", "eagle3", "ngram", "none")
+WITH_PATH = ("draft", "heads", "eagle3")
 
 
 def parse_drafter(spec: str) -> tuple[str, dict]:
-    """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=ngram` or `NAME=none`."""
+    """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=eagle3:DIR`, `NAME=ngram` or `NAME=none`."""
     name, sep, what = spec.partition("=")
     kind, _, path = what.partition(":")
-    if not sep or not name or kind not in KINDS or (kind in ("draft", "heads")) != bool(path):
-        raise UserError(f"--drafter {spec!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR, NAME=ngram or NAME=none")
+    if not sep or not name or kind not in KINDS or (kind in WITH_PATH) != bool(path):
+        raise UserError(f"--drafter {spec!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, "
+                        "NAME=ngram or NAME=none")
     if "/" in name or name.startswith("."):
         raise UserError(f"--drafter {spec!r}: NAME names the drafter's report folder, so it cannot contain '/' or "
                         "start with '.'")
-    if kind in ("draft", "heads"):
+    if kind in WITH_PATH:
         return name, {kind: path}
     return name, {"method": kind}
 
@@ -40,7 +42,7 @@ def drafter_configs(base: EvalConfig, drafters: list[str]) -> list[EvalConfig]:
     names = [n for n, _ in parsed]
     if len(set(names)) != len(names):
         raise UserError("drafter names must be unique; give each --drafter its own NAME")
-    return [replace(base, **{"draft": None, "heads": None, "method": None, **fields}, name=name,
+    return [replace(base, **{"draft": None, "heads": None, "eagle3": None, "method": None, **fields}, name=name,
                     out=str(Path(base.out) / name)) for name, fields in parsed]
 
 

@@ -19,7 +19,7 @@ from ..decoding.defaults import NUM_DRAFT_TOKENS
 from ..errors import UserError
 from ..heads.tree import check_paths
 
-TREE_CHOICES = ("auto", "default", "chain")
+TREE_CHOICES = ("auto", "default", "chain", "dynamic")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 ENGINE_CHOICES = ("auto", "eager", "static")
 
@@ -49,6 +49,8 @@ class EvalConfig:
                                metavar="DIR", drafter=True)
     heads: str | None = option(None, "Medusa heads directory (vLLM's format) trained on this target.",
                                metavar="DIR", drafter=True)
+    eagle3: str | None = option(None, "EAGLE-3 draft directory (SGLang's / vLLM's layout) trained on this target.",
+                                metavar="DIR", drafter=True)
     method: str | None = option(None, "A drafter without weights: ngram (prompt lookup) or none (the target "
                                 "alone).", choices=("ngram", "none"), drafter=True)
     name: str | None = option(None, "The drafter's name in titles and tables (unset: the draft or heads "
@@ -70,18 +72,24 @@ class EvalConfig:
                          "(preallocated cache, compiled steps) is not in this build yet; auto picks eager.",
                          choices=ENGINE_CHOICES)
     ngram_max: int = option(3, "Longest suffix n-gram that n-gram lookup matches.", metavar="N")
-    tree: str = option("auto", "Medusa heads' candidate tree: auto (the one calibrated when the heads were "
-                       "trained, else default), default, chain, or a JSON file of paths like [[0], [1], [0, 0]].")
+    tree: str = option("auto", "Candidate tree of Medusa heads and EAGLE-3 drafts (greedy): auto (heads: the tree "
+                       "calibrated when they were trained, else default; EAGLE-3: dynamic), default (a static "
+                       "22-node tree), chain, dynamic (EAGLE-3 only: EAGLE-2's tree grown by draft confidence, "
+                       "--tree-nodes nodes, K deep), or a JSON file of paths like [[0], [1], [0, 0]].")
+    tree_nodes: int = option(32, "EAGLE-3 dynamic tree: nodes verified per step, the pending token included.",
+                             metavar="N")
+    tree_topk: int = option(4, "EAGLE-3 dynamic tree: nodes expanded per depth, and children drafted per node.",
+                            metavar="N")
     overwrite: bool = option(False, "Replace an earlier report in --out whole (nothing of it remains).")
     quiet: bool = option(False, "No progress bar.")
 
     def validate(self) -> None:
         validate_choices(self)
-        chosen = [x for x in (self.draft and "--draft", self.heads and "--heads",
+        chosen = [x for x in (self.draft and "--draft", self.heads and "--heads", self.eagle3 and "--eagle3",
                               self.method and f"--method {self.method}") if x]
         if len(chosen) != 1:
-            raise UserError("choose exactly one drafter: --draft DIR, --heads DIR, --method ngram or --method none"
-                            + (f" (got {' and '.join(chosen)})" if chosen else ""))
+            raise UserError("choose exactly one drafter: --draft DIR, --heads DIR, --eagle3 DIR, --method ngram or "
+                            "--method none" + (f" (got {' and '.join(chosen)})" if chosen else ""))
         if not self.prompts:
             raise UserError("no prompt file given; pass --prompts FILE")
         if self.num_draft_tokens < 1:
@@ -98,18 +106,25 @@ class EvalConfig:
             raise UserError(f"--ngram-max must be at least 1, got {self.ngram_max}")
         if self.tree not in TREE_CHOICES:
             read_tree_file(self.tree)
+        if self.tree == "dynamic" and self.heads:
+            raise UserError("--tree dynamic grows a tree with an EAGLE-3 draft; Medusa heads use auto, default, chain "
+                            "or a tree file")
+        if self.tree_nodes < 2:
+            raise UserError(f"--tree-nodes must be at least 2 (the pending token and one draft), got {self.tree_nodes}")
+        if self.tree_topk < 1:
+            raise UserError(f"--tree-topk must be at least 1, got {self.tree_topk}")
 
     @property
     def proposer_name(self) -> str:
-        """draft | heads | ngram | none: which kind of drafter runs."""
-        return "draft" if self.draft else "heads" if self.heads else self.method
+        """draft | heads | eagle3 | ngram | none: which kind of drafter runs."""
+        return "draft" if self.draft else "heads" if self.heads else "eagle3" if self.eagle3 else self.method
 
     @property
     def drafter_name(self) -> str:
         """What titles and tables call the drafter."""
         if self.name:
             return self.name
-        path = self.draft or self.heads
+        path = self.draft or self.heads or self.eagle3
         if path:
             return Path(path.rstrip("/")).name or path
         return str(self.method)
@@ -120,7 +135,7 @@ class EvalConfig:
 
 
 # Settings that may differ between the drafters of one `compare` run.
-PER_DRAFTER = ("draft", "heads", "method", "name", "out")
+PER_DRAFTER = ("draft", "heads", "eagle3", "method", "name", "out")
 
 
 def shared_settings(cfg: EvalConfig) -> dict:

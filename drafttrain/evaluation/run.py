@@ -24,7 +24,10 @@ from .. import __version__
 from ..decoding import (CachedLM, DraftModelProposer, Generation, NgramProposer, NoProposer, SpeculativeDecoder,
                         as_cached_lm, cached_lm)
 from ..decoding.lm import device_tensor
+from ..decoding.eagle3 import Eagle3Decoder, Eagle3State
 from ..decoding.medusa import MedusaDecoder
+from ..eagle3.export import load_eagle3
+from ..eagle3.model import Eagle3Draft
 from ..errors import UserError
 from ..heads.export import load_medusa, read_heads_info
 from ..heads.tree import DEFAULT_TREE, chain_tree
@@ -49,6 +52,8 @@ class LoadedModels:
     draft: torch.nn.Module | None = None
     heads: torch.nn.Module | None = None
     heads_info: dict = field(default_factory=dict)
+    eagle3: Eagle3Draft | None = None
+    eagle3_info: dict = field(default_factory=dict)
     target_lm: CachedLM | None = None  # the engine-bound models (`bind_engine`), shared by every decoder
     draft_lm: CachedLM | None = None
 
@@ -68,7 +73,7 @@ def load_models(cfg: EvalConfig) -> LoadedModels:
 
 
 def attach_drafter(models: LoadedModels, cfg: EvalConfig, draft_tok=None) -> LoadedModels:
-    """Load cfg's draft model or heads next to the target, after checking they fit it."""
+    """Load cfg's draft model, heads or EAGLE-3 draft next to the target, after checking they fit it."""
     dtype = models.target.dtype
     if cfg.draft:
         draft_tok = draft_tok or load_tokenizer(cfg.draft, "draft")
@@ -77,7 +82,22 @@ def attach_drafter(models: LoadedModels, cfg: EvalConfig, draft_tok=None) -> Loa
     if cfg.heads:
         models.heads = load_heads(cfg.heads, models.device, dtype)
         models.heads_info = read_heads_info(cfg.heads)
+    if cfg.eagle3:
+        models.eagle3, info = load_eagle3(cfg.eagle3, device=models.device, dtype=dtype,
+                                          target_config=models.target.config)
+        require_finite(models.eagle3, "EAGLE-3 draft", cfg.eagle3)
+        models.eagle3.attach_embeddings(models.target.get_input_embeddings())
+        models.eagle3.eval()
+        models.eagle3_info = {"aux_layer_ids": list(info.aux_layer_ids), "draft_vocab_size": info.draft_vocab_size,
+                              **(info.config.get("drafttrain") or {})}
     return models
+
+
+def require_finite(module: torch.nn.Module, what: str, path: str) -> None:
+    bad = next((name for name, p in module.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise UserError(f"the {what} at {path!r} has non-finite weights (NaN or inf in {bad}); the file is damaged: "
+                        "export it again")
 
 
 def load_heads(path: str, device: torch.device, dtype: torch.dtype):
@@ -89,10 +109,7 @@ def load_heads(path: str, device: torch.device, dtype: torch.dtype):
     except Exception as e:  # safetensors' SafetensorError (truncated or empty file), a bad pickle, ...
         raise UserError(f"cannot load the Medusa heads from {path!r}: their weights file is damaged "
                         f"({first_line(e)}); export the heads again") from e
-    bad = next((name for name, p in heads.named_parameters() if not bool(torch.isfinite(p).all())), None)
-    if bad is not None:
-        raise UserError(f"the Medusa heads at {path!r} have non-finite weights (NaN or inf in {bad}); the file is "
-                        "damaged: export the heads again")
+    require_finite(heads, "Medusa heads", path)
     return heads
 
 
@@ -116,7 +133,20 @@ def cache_room(cfg: EvalConfig, models: LoadedModels) -> int:
     if cfg.proposer_name == "heads":
         depth = min(cfg.num_draft_tokens, models.heads.config.num_heads)
         return max(cfg.num_draft_tokens, len(heads_tree(cfg.tree, models.heads_info, depth)[1])) + 1
+    if cfg.proposer_name == "eagle3":
+        return max(cfg.num_draft_tokens, cfg.tree_nodes - 1, len(eagle3_tree(cfg)[1])) + 1
     return cfg.num_draft_tokens + 1
+
+
+def eagle3_tree(cfg: EvalConfig) -> tuple[str, str | list]:
+    """(which tree, what `Eagle3Decoder` takes): auto = EAGLE-2's dynamic tree."""
+    if not cfg.greedy or cfg.tree == "chain":
+        return "chain" if cfg.greedy else "chain (sampling)", "chain"
+    if cfg.tree in ("auto", "dynamic"):
+        return f"dynamic ({cfg.tree_nodes} nodes, top-{cfg.tree_topk})", "dynamic"
+    if cfg.tree == "default":
+        return "default", [p for p in DEFAULT_TREE if len(p) <= cfg.num_draft_tokens]
+    return cfg.tree, [p for p in read_tree_file(cfg.tree) if len(p) <= cfg.num_draft_tokens]
 
 
 def bind_engine(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: list[EncodedPrompt]) -> str:
@@ -149,6 +179,11 @@ def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = Fals
         return MedusaDecoder(target, models.heads, tree=heads_tree(cfg.tree, models.heads_info, depth)[1],
                              temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=models.eos,
                              generator=generator)
+    if name == "eagle3":
+        return Eagle3Decoder(target, models.eagle3, num_draft_tokens=cfg.num_draft_tokens, tree=eagle3_tree(cfg)[1],
+                             tree_nodes=cfg.tree_nodes, tree_topk=cfg.tree_topk, temperature=cfg.temperature,
+                             top_p=cfg.top_p, eos_token_ids=models.eos, generator=generator,
+                             record_margins=record_margins)
     if name == "draft":
         proposer = DraftModelProposer(models.draft_lm or models.draft, output_vocab_size(models.target),
                                       cfg.temperature, cfg.top_p, generator)
@@ -188,6 +223,28 @@ def single_token_seconds(lm: CachedLM, prompt: list[int], repeats: int = 10) -> 
         _sync(lm.device)
         times.append(time.perf_counter() - start)
         lm.rollback(lm.length - 1)
+    return median(times[2:])
+
+
+def eagle3_step_seconds(draft: Eagle3Draft, target_lm: CachedLM, prompt: list[int], repeats: int = 10) -> float:
+    """Median time of one EAGLE-3 chain drafting step (one token through the draft layer and its
+    head), after feeding the prompt's target features: the draft's share of a chain step."""
+    target_lm.reset()
+    _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device),
+                                  hidden_layers=tuple(draft.config.aux_layer_ids))
+    state = Eagle3State(draft, target_lm.device)
+    state.reset(prompt, hidden)
+    token = device_tensor(prompt[-1:], target_lm.device).view(1, 1)
+    position = torch.full((1, 1), state.length, dtype=torch.long, device=target_lm.device)
+    times = []
+    for _ in range(repeats + 2):
+        _sync(target_lm.device)
+        start = time.perf_counter()
+        out = state.step(state.last.hidden[:, -1:], token, position)
+        draft.to_target_logits(out.logits[0, -1]).argmax()
+        _sync(target_lm.device)
+        times.append(time.perf_counter() - start)
+        state.cache.rollback(state.length - 1)
     return median(times[2:])
 
 
@@ -264,7 +321,8 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     if models is None:
         models = [load_models(first)]
         for cfg in cfgs[1:]:
-            models.append(attach_drafter(dataclasses.replace(models[0], draft=None, heads=None, heads_info={}), cfg))
+            models.append(attach_drafter(dataclasses.replace(models[0], draft=None, heads=None, heads_info={},
+                                                             eagle3=None, eagle3_info={}), cfg))
     loaded = models[0]
     prompts = encode_prompts(read_prompts(first.prompts, first.limit), loaded.tokenizer,
                              max_new_tokens=first.max_new_tokens, context_limit=context_length(loaded.target))
@@ -318,14 +376,21 @@ def build_report(cfg: EvalConfig, models: LoadedModels, spec, results: list[Prom
     cost = None
     if k:
         cost = 0.0  # n-gram lookup and heads cost next to nothing beside a target forward
+        target_lm = models.target_lm or as_cached_lm(models.target)
         if models.draft is not None:
             cost = (single_token_seconds(models.draft_lm or as_cached_lm(models.draft), probe.ids)
-                    / single_token_seconds(models.target_lm or as_cached_lm(models.target), probe.ids))
+                    / single_token_seconds(target_lm, probe.ids))
+        elif models.eagle3 is not None:
+            cost = eagle3_step_seconds(models.eagle3, target_lm, probe.ids) / single_token_seconds(target_lm, probe.ids)
     num = numerics(models.dtype_name)
     kwargs = {"cost_ratio": cost, "near_tie_tolerance": num["near_tie_tolerance"]}
     overall = compute_metrics(results, k, cfg.greedy, **kwargs)
     mem, mem_kind = peak_memory(models.device)
     overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
+    if cfg.proposer_name == "eagle3":
+        overall["tree"] = eagle3_tree(cfg)[0]
+        if hasattr(spec, "num_tree_nodes") and overall["tree"].startswith("dynamic"):
+            overall["tree_nodes"] = spec.num_tree_nodes
     if cfg.proposer_name == "heads":
         overall["per_head_acceptance"] = overall["per_position_acceptance"]  # position i = head i's token
         overall["tree_nodes"] = spec.num_tree_nodes
@@ -338,6 +403,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, spec, results: list[Prom
         "numerics": num,
         "engine": dict(engine),
         **({"heads": models.heads_info} if models.heads_info else {}),
+        **({"eagle3": models.eagle3_info} if models.eagle3_info else {}),
         "overall": overall,
         "by_category": metrics_by_category(results, k, cfg.greedy, **kwargs),
     }

@@ -17,13 +17,13 @@ def tiny_target(seed: int = 0, **kw):
 
 
 def tiny_draft(target, draft_vocab_size: int = 40, seed: int = 1, scale: float = 1.0,
-               always_include=(2,)) -> Eagle3Draft:
+               always_include=(2,), vocab_size: int = VOCAB) -> Eagle3Draft:
     """A draft over the `draft_vocab_size` most frequent tokens of a fixed token list, with weights
     large enough that attention is far from uniform (the default init is nearly uniform, which
     would hide attention-mask and position mistakes)."""
     g = torch.Generator().manual_seed(seed)
-    counts = [[t] * (1 + (t * 7) % 5) for t in range(VOCAB)]
-    vocab = build_draft_vocab(counts, VOCAB, draft_vocab_size, always_include=always_include)
+    counts = [[t] * (1 + (t * 7) % 5) for t in range(vocab_size)]
+    vocab = build_draft_vocab(counts, vocab_size, draft_vocab_size, always_include=always_include)
     draft = Eagle3Draft.from_target(target, vocab, dtype=torch.float64)
     with torch.no_grad():
         for module in draft.modules():

@@ -1,0 +1,87 @@
+"""`drafttrain eval --eagle3 DIR` and `compare NAME=eagle3:DIR`: an exported EAGLE-3 draft is read
+back, decodes losslessly with a chain and a dynamic tree, and is reported like any drafter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafttrain.cli import main
+from drafttrain.eagle3.export import save_eagle3
+from eagle3_helpers import tiny_target
+from tiny import greedy_reference, save_pair, tiny_tokenizer
+
+PROMPTS = [{"id": "a", "prompt": "w5 w9 w13 w7 w5 w9"}, {"id": "b", "prompt": "w40 w41 w40"},
+           {"id": "c", "prompt": "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w3 w4 w5"}]
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def files(trained_pair, tmp_path_factory):
+    target, draft = trained_pair
+    root = tmp_path_factory.mktemp("eagle3-eval")
+    tok = tiny_tokenizer()
+    save_pair(root / "target", target, tok)
+    save_eagle3(draft, root / "eagle3", base_info={"target": str(root / "target")})
+    (root / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    references = [greedy_reference(target, tok(p["prompt"])["input_ids"], MAX_NEW, eos=2) for p in PROMPTS]
+    return root, references
+
+
+def run(argv):
+    assert main(argv) == 0
+    out = Path(argv[argv.index("--out") + 1])
+    return (json.loads((out / "report.json").read_text()),
+            [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()])
+
+
+@pytest.mark.parametrize("tree", ["auto", "chain", "default"])
+def test_eval_eagle3_is_lossless_and_reported(files, tree, tmp_path):
+    root, references = files
+    report, rows = run(["eval", "--target", str(root / "target"), "--eagle3", str(root / "eagle3"),
+                        "--prompts", str(root / "p.jsonl"), "--max-new-tokens", str(MAX_NEW), "--dtype", "float64",
+                        "--num-draft-tokens", "3", "--tree", tree, "--tree-nodes", "10", "--out",
+                        str(tmp_path / "out"), "--quiet"])
+    assert [r["speculative_token_ids"] for r in rows] == references
+    assert [r["baseline_token_ids"] for r in rows] == references
+    overall = report["overall"]
+    assert overall["outputs_match_baseline"] == 1.0
+    assert overall["accepted_tokens"] > 0 and overall["mean_accepted_length"] > 1.0
+    assert len(overall["per_position_acceptance"]) == 3
+    assert report["config"]["eagle3"] == str(root / "eagle3") and report["drafter"] == "eagle3"
+    assert report["eagle3"]["aux_layer_ids"] == [2, 3, 4]
+    assert overall["tree"] == {"auto": "dynamic (10 nodes, top-4)", "chain": "chain", "default": "default"}[tree]
+    assert overall["predicted"]["cost_ratio"] > 0  # the draft layer's measured cost
+
+
+def test_compare_eagle3_beside_ngram(files, tmp_path):
+    root, references = files
+    assert main(["compare", "--target", str(root / "target"), "--drafter", f"e3=eagle3:{root / 'eagle3'}",
+                 "--drafter", "ng=ngram", "--prompts", str(root / "p.jsonl"), "--max-new-tokens", str(MAX_NEW),
+                 "--dtype", "float64", "--out", str(tmp_path / "cmp"), "--quiet"]) == 0
+    table = {r["drafter"]: r for r in json.loads((tmp_path / "cmp" / "comparison.json").read_text())["drafters"]}
+    assert set(table) == {"e3", "ng"}
+    assert table["e3"]["outputs_match_baseline"] == 1.0
+
+
+def test_damaged_or_foreign_eagle3_is_one_error_line(files, tmp_path, capsys):
+    root, _ = files
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "README.md"):
+        (broken / name).write_bytes((root / "eagle3" / name).read_bytes())
+    data = (root / "eagle3" / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    other = tmp_path / "other"
+    save_pair(other, tiny_target(seed=5, hidden=48), tiny_tokenizer())
+    for target, words in ((root / "target", ["damaged", str(broken)]), (other, ["hidden size"])):
+        capsys.readouterr()
+        code = main(["eval", "--target", str(target), "--eagle3", str(broken if target != other else root / "eagle3"),
+                     "--prompts", str(root / "p.jsonl"), "--out", str(tmp_path / "out"), "--quiet"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error:"), err
+        assert all(w in err[0] for w in words), err[0]
+        assert not (tmp_path / "out").exists()
