@@ -29,7 +29,7 @@ from .lm import device_tensor
 from .proposers import Proposer
 from .sampling import probabilities, sample
 from .speculative import SpeculativeDecoder
-from .tree import Tree, build_tree_buffers, tree_from_parents
+from .tree import build_tree_buffers, tree_from_parents
 from .tree_decoder import TreeDecoder, TreeDrafter
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 def first_trained_index(loss_mask: torch.Tensor, num_steps: int) -> int:

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError

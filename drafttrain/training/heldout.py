@@ -48,4 +48,4 @@ def table_row(name: str, metrics: dict) -> dict:
             "acceptance_rate": metrics["acceptance_rate"], "per_position_acceptance": metrics["per_position_acceptance"]}
 
 
-__all__ = ["EvalPrompt", "eval_prompts", "greedy_acceptance", "table_row"]
+__all__ = ["eval_prompts", "greedy_acceptance", "table_row"]

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from drafttrain.decoding.eagle3 import Eagle3Decoder, Eagle3TreeDrafter
 from drafttrain.decoding.sampling import probabilities
 from drafttrain.eagle3.model import Eagle3KVCache
-from eagle3_helpers import target_hidden_states, tiny_draft, tiny_target
+from eagle3_helpers import target_hidden_states, tiny_draft
 from tiny import greedy_reference, tiny_lm
 
 EOS = 2

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from drafttrain.cli import main
 from drafttrain.eagle3.export import save_eagle3

@@ -8,7 +8,7 @@ import torch
 
 from drafttrain.eagle3.model import Eagle3KVCache
 from drafttrain.eagle3.replay import teacher_forced_accepted_lengths
-from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft, tiny_target
+from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft
 from tiny import greedy_reference
 
 EOS = 2
