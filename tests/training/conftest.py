@@ -9,20 +9,6 @@ import pytest
 import torch
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: end-to-end runs in subprocesses (tens of seconds each); not skipped")
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """accelerate keeps process-wide singletons; each in-process run starts from a clean slate."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict[str, str]:
     """A 2-layer target, an unrelated 1-layer draft with the same tokenizer, a draft with a foreign

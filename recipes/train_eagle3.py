@@ -1,0 +1,237 @@
+"""Train an EAGLE-3 draft for a target (SPEC §4): one layer that reads the target's own features.
+
+    accelerate launch recipes/train_eagle3.py --config recipes/configs/NAME.yaml [--overwrite] [key=value ...]
+    python recipes/train_eagle3.py --config recipes/configs/NAME.yaml [key=value ...]
+
+`--help` lists every config key. Bad input prints one `error:` line and exits with status 2.
+
+The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.run`):
+
+1. Load the target, frozen. The draft is one decoder layer shaped like the target's, fed with
+   the target's hidden states from a low, a middle and a high layer (`fc` fuses them) plus the
+   embedding of the next token (Li et al. 2025).
+2. The target answers the training prompts itself (cached, as for distillation).
+3. The draft vocabulary: the `draft.vocab_size` tokens the target uses most in those answers
+   (the EOS ids always), with the `d2t` / `t2d` maps to and from the target's vocabulary. A
+   smaller LM head makes every drafting step cheaper; tokens outside it are never proposed.
+4. Train with training-time test: every batch runs the frozen target once (no grad) for its
+   features, then the draft is unrolled `loss.ttt_steps` steps on its own outputs, each step
+   learning forward KL against the target's distribution restricted to the draft vocabulary,
+   weighted `loss.decay`^step. The target's features are computed here, online: no hidden-state
+   dumps on disk.
+5. Measure what matters: greedy speculative decoding of held-out prompts with drafttrain's own
+   decoder (`eval.tree`: a chain of K, or EAGLE-2's dynamic tree). Its tau picks the exported weights.
+6. Export the best draft to `final/` in the layout SGLang and vLLM load (SPEC §3), with its
+   acceptance table.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from drafttrain.config import documented
+from drafttrain.data import DataConfig
+from drafttrain.decoding.defaults import NUM_DRAFT_TOKENS
+from drafttrain.decoding.eagle3 import Eagle3Decoder
+from drafttrain.eagle3.export import save_eagle3
+from drafttrain.eagle3.loss import (eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden,
+                                    teacher_logits_from_topk)
+from drafttrain.eagle3.model import Eagle3Draft, check_aux_layer_ids
+from drafttrain.eagle3.vocab import build_draft_vocab
+from drafttrain.errors import UserError
+from drafttrain.models import DTYPES, load_causal_lm, load_tokenizer, resolve_dtype
+from drafttrain.tokens import output_vocab_size
+from drafttrain.training.heldout import greedy_acceptance, table_row
+from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # targets whose layer the draft layer copies the shape of
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class Eagle3ArchConfig:
+    vocab_size: int = documented(
+        16000, doc="Draft vocabulary: the N tokens the target uses most in its training answers (EOS always). "
+                   "Larger covers more of what the target says; smaller makes each drafting step cheaper.")
+    aux_layer_ids: list[int] | None = documented(
+        None, doc="The target's hidden states the draft reads, as transformers' output_hidden_states indices "
+                  "(i = the output of layer i-1): a low, a middle and a high layer. null: (2, L//2, L-3), the "
+                  "default of vLLM and SGLang, so the exported draft needs no layer setting there.")
+    freeze_lm_head: bool = documented(
+        False, doc="Keep the draft's LM head at its start (the target's LM head rows of the draft vocabulary).")
+
+
+@dataclass
+class Eagle3LossConfig:
+    ttt_steps: int = documented(
+        3, doc="Training-time test: steps the draft is unrolled on its own outputs per position (step 0 reads "
+               "the target's features; step j its own step j-1 output).")
+    decay: float = documented(0.8, doc="Step j's loss is weighted decay^j (normalised): later drafts count less.")
+    teacher: Literal["auto", "hidden", "topk"] = documented(
+        "auto", doc="The target's distribution in the loss: hidden = its final hidden state times its LM head's "
+                    "rows of the draft vocabulary (exact); topk = the top-k log-probs stored with the data "
+                    "(data.store_topk, no LM head at all); auto = topk when stored, else hidden.")
+
+
+@dataclass
+class Eagle3EvalConfig(RecipeEvalConfig):
+    num_draft_tokens: int = documented(
+        NUM_DRAFT_TOKENS, doc="K: the chain's drafts per step, or the dynamic tree's depth.")
+    tree: Literal["chain", "dynamic"] = documented(
+        "chain", doc="How held-out acceptance is measured (and the best weights picked): chain of K, or "
+                     "EAGLE-2's dynamic tree (tree_nodes, tree_topk).")
+    tree_nodes: int = documented(32, doc="Dynamic tree: nodes verified per step, the pending token included.")
+    tree_topk: int = documented(4, doc="Dynamic tree: nodes expanded per depth, children drafted per node.")
+
+
+@dataclass
+class Eagle3RecipeConfig(RecipeConfig):
+    output_dir: str = documented(
+        doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/ (the draft in "
+            "SGLang's and vLLM's EAGLE-3 layout), eval/. Started again with the same directory and config, the "
+            "run resumes; with another config it is refused (--overwrite starts over).")
+    data: DataConfig = documented(
+        default_factory=DataConfig,
+        doc="Prompts and the target's answers to them (the draft vocabulary is counted on these answers). With "
+            "data.store_topk > 0, loss.teacher auto reads the stored top-k instead of the target's LM head.")
+    eval: Eagle3EvalConfig = documented(
+        default_factory=Eagle3EvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+    draft: Eagle3ArchConfig = documented(default_factory=Eagle3ArchConfig, doc="The draft's shape.")
+    loss: Eagle3LossConfig = documented(default_factory=Eagle3LossConfig, doc="The training-time-test loss.")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.draft.vocab_size < 2:
+            raise UserError(f"draft.vocab_size must be >= 2, got {self.draft.vocab_size}")
+        if self.loss.ttt_steps < 1:
+            raise UserError(f"loss.ttt_steps must be >= 1, got {self.loss.ttt_steps}")
+        if not 0.0 < self.loss.decay <= 1.0:
+            raise UserError(f"loss.decay must be in (0, 1], got {self.loss.decay}")
+        if self.loss.teacher == "topk" and not self.data.store_topk:
+            raise UserError("loss.teacher=topk reads the target's stored top-k, but data.store_topk is 0; set "
+                            "data.store_topk (e.g. 32) or loss.teacher=hidden")
+        if self.data.prompt_loss_weight:
+            raise UserError("data.prompt_loss_weight is a distillation setting; an EAGLE-3 draft trains on response "
+                            "positions only, so set data.prompt_loss_weight=0")
+        if self.eval.num_draft_tokens < 1:
+            raise UserError(f"eval.num_draft_tokens must be >= 1, got {self.eval.num_draft_tokens}")
+        if self.eval.tree_nodes < 2 or self.eval.tree_topk < 1:
+            raise UserError(f"eval.tree_nodes must be >= 2 and eval.tree_topk >= 1, got {self.eval.tree_nodes} and "
+                            f"{self.eval.tree_topk}")
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+class Eagle3Recipe(Recipe):
+    config_class = Eagle3RecipeConfig
+    script = "recipes/train_eagle3.py"
+    drafter_name = "EAGLE-3 draft"
+    config: Eagle3RecipeConfig
+
+    def load_models(self) -> None:
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.target, "target")
+        self.target = load_causal_lm(cfg.target, resolve_dtype(cfg.target_dtype, self.device), self.device, "target")
+        self.target.requires_grad_(False)
+        kind = getattr(self.target.config, "model_type", None)
+        if kind not in SUPPORTED:
+            raise UserError(f"the EAGLE-3 draft copies the shape of a {', '.join(SUPPORTED)} decoder layer; this "
+                            f"target is {kind!r}")
+        layers = self.target.config.num_hidden_layers
+        self.aux_layer_ids = (check_aux_layer_ids(cfg.draft.aux_layer_ids, layers)
+                              if cfg.draft.aux_layer_ids is not None else None)
+        if cfg.draft.vocab_size > output_vocab_size(self.target):
+            raise UserError(f"draft.vocab_size {cfg.draft.vocab_size} exceeds the target's vocabulary of "
+                            f"{output_vocab_size(self.target)}; lower it")
+
+    def describe(self) -> str:
+        ids = self.trainable.config.aux_layer_ids if hasattr(self, "trainable") else self.aux_layer_ids
+        return (f"EAGLE-3 draft over the {self.config.draft.vocab_size} tokens the target uses most, reading its "
+                f"hidden states {list(ids) if ids else 'at (2, L//2, L-3)'}")
+
+    def build_trainable(self) -> Eagle3Draft:
+        """After the data: the draft vocabulary is counted on the target's answers."""
+        cfg = self.config
+        answers = [row["response_ids"] for row in self.data.train]
+        vocab = build_draft_vocab(answers, self.target.config.vocab_size, cfg.draft.vocab_size,
+                                  always_include=self.eos_ids)
+        draft = Eagle3Draft.from_target(self.target, vocab, aux_layer_ids=self.aux_layer_ids, dtype=torch.float32,
+                                        seed=cfg.train.seed)
+        draft.requires_grad_(True)
+        if cfg.draft.freeze_lm_head:
+            draft.lm_head.requires_grad_(False)
+        self.teacher_kind = cfg.loss.teacher if cfg.loss.teacher != "auto" else (
+            "topk" if cfg.data.store_topk else "hidden")
+        return draft.train()
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        cfg = self.config
+        draft = self.accelerator.unwrap_model(model)
+        steps = cfg.loss.ttt_steps
+        start = first_trained_index(batch["loss_mask"], steps)  # the draft skips the prompt's head
+        with torch.no_grad():  # the frozen target, its body only: no full-vocabulary LM head
+            hidden_states = self.target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                              position_ids=batch["position_ids"], output_hidden_states=True,
+                                              use_cache=False).hidden_states
+            if self.teacher_kind == "topk":
+                teacher = teacher_logits_from_topk(batch["topk_ids"][:, start:], batch["topk_logprobs"][:, start:],
+                                                   draft.draft_target_ids, draft.config.vocab_size)
+            else:
+                teacher = teacher_logits_from_hidden(hidden_states[-1][:, start:],
+                                                     self.target.get_output_embeddings().weight,
+                                                     draft.draft_target_ids)
+        logits = model(draft.target_features(hidden_states), batch["input_ids"],
+                       attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], num_steps=steps,
+                       logits_from=start)
+        out = eagle3_loss(logits, teacher, batch["loss_mask"][:, start:], batch["attention_mask"][:, start:],
+                          next_tokens(batch["input_ids"], start), draft.d2t, draft.t2d, decay=cfg.loss.decay)
+        logs = {f"acc_{j}": acc for j, acc in enumerate(out.step_accuracy.nan_to_num(0.0).tolist())}
+        return out.loss, {**logs, "coverage": out.coverage, "tokens": batch["loss_mask"].sum()}
+
+    def decoder(self, draft: Eagle3Draft, tree: str | None = None):
+        e = self.config.eval
+        draft.attach_embeddings(self.target.get_input_embeddings())
+        return Eagle3Decoder(self.target, draft, num_draft_tokens=e.num_draft_tokens, tree=tree or e.tree,
+                             tree_nodes=e.tree_nodes, tree_topk=e.tree_topk, eos_token_ids=set(self.eos_ids))
+
+    def evaluate(self, model) -> dict:
+        decoder = self.decoder(model)
+        extra = {"tree": self.config.eval.tree}
+        if self.config.eval.tree == "dynamic":
+            extra["tree_nodes"] = decoder.num_tree_nodes
+        return greedy_acceptance(decoder, self.prompts, self.config.eval.max_new_tokens, extra=extra)
+
+    def export(self, result, initial: dict, final: dict) -> dict:
+        """final/: the best draft, with its held-out acceptance as a chain and as a dynamic tree."""
+        cfg = self.config
+        model = result.model
+        other = "dynamic" if cfg.eval.tree == "chain" else "chain"
+        other_metrics = greedy_acceptance(self.decoder(model, other), self.prompts, cfg.eval.max_new_tokens,
+                                          extra={"tree": other})
+        rows = [table_row(f"initial (before training), {cfg.eval.tree}", initial),
+                table_row(f"final (step {result.best_step}), {cfg.eval.tree}", final),
+                table_row(f"final (step {result.best_step}), {other}", other_metrics)]
+        chosen = "best held-out tau" if cfg.train.keep_best else "last"
+        save_eagle3(model.to(DTYPES[cfg.export_dtype]), self.out / "final", acceptance_table=rows,
+                    base_info={"target": cfg.target, "recipe": f"drafttrain {self.script}",
+                               "draft vocabulary": f"{model.config.draft_vocab_size} most frequent target tokens",
+                               "training-time-test steps": cfg.loss.ttt_steps, "teacher": self.teacher_kind,
+                               "training steps": result.step,
+                               "exported weights": f"step {result.best_step} ({chosen})",
+                               "held-out prompts": len(self.prompts)})
+        return {f"final_{other}": other_metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return recipe_main(Eagle3Recipe, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
