@@ -6,7 +6,8 @@
 #      prompts in one run, against the target alone: runs/demo/report/comparison.md.
 # Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).
 # LOSSES="forward_kl tvd" distils one draft per loss and compares them all; HEADS=1 also trains
-# Medusa heads (recipes/configs/smollm2_heads_demo.yaml, ~25 more minutes on 2 cores) and adds them.
+# Medusa heads (recipes/configs/smollm2_heads_demo.yaml) and EAGLE3=1 an EAGLE-3 draft
+# (recipes/configs/smollm2_eagle3_demo.yaml), each added to the comparison (times: README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(bash scripts/setup_env.sh | tail -1)
@@ -20,6 +21,8 @@ LOSSES=${LOSSES:-forward_kl}
 # accelerate launch pins a process to ONE thread (OMP_NUM_THREADS=1) unless told otherwise.
 THREADS=${THREADS:-$(nproc)}
 HEADS=${HEADS:-0}
+EAGLE3=${EAGLE3:-0}
+TREE_NODES=${TREE_NODES:-64}  # EAGLE-3's dynamic tree in the comparison: as many nodes as the heads' calibrated tree
 mkdir -p "$OUT"
 
 TARGET=$(drafttrain assets smollm2 | tail -1)
@@ -41,7 +44,13 @@ if [ "$HEADS" = 1 ]; then
     --config recipes/configs/smollm2_heads_demo.yaml target="$TARGET" output_dir="$OUT/heads"
   drafters+=(--drafter "heads-medusa1=heads:$OUT/heads/final")
 fi
+if [ "$EAGLE3" = 1 ]; then
+  accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
+    recipes/train_eagle3.py \
+    --config recipes/configs/smollm2_eagle3_demo.yaml target="$TARGET" output_dir="$OUT/eagle3"
+  drafters+=(--drafter "eagle3=eagle3:$OUT/eagle3/final")
+fi
 drafttrain compare --target "$TARGET" "${drafters[@]}" --drafter ngram=ngram \
   --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens 4 \
-  --out "$OUT/report" --overwrite
+  --tree-nodes "$TREE_NODES" --tree-topk 8 --out "$OUT/report" --overwrite
 echo "acceptance report: $OUT/report/comparison.md (one full report per drafter beside it)"
