@@ -35,9 +35,11 @@ import torch
 
 from drafttrain.config import documented
 from drafttrain.data import DataConfig
+from drafttrain.data.collate import DistillCollator
 from drafttrain.decoding.defaults import NUM_DRAFT_TOKENS
 from drafttrain.decoding.eagle3 import Eagle3Decoder
 from drafttrain.eagle3.export import save_eagle3
+from drafttrain.eagle3.features import TargetFeatures
 from drafttrain.eagle3.loss import (eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden,
                                     teacher_logits_from_topk)
 from drafttrain.eagle3.model import Eagle3Draft, check_aux_layer_ids
@@ -80,6 +82,16 @@ class Eagle3LossConfig:
 
 
 @dataclass
+class Eagle3FeaturesConfig:
+    keep_in_memory: bool = documented(
+        False, doc="Compute the target's features of each training example once (the example alone, so they do "
+                   "not depend on its batch and a resume stays exact) and keep them in RAM for its later epochs: "
+                   "for small data sets trained several epochs, where the target's forward dominates a step (a "
+                   "CPU). Costs examples x tokens x 3*H values (4*H with the hidden teacher) of the target's "
+                   "dtype. false: one target forward per batch.")
+
+
+@dataclass
 class Eagle3EvalConfig(RecipeEvalConfig):
     num_draft_tokens: int = documented(
         NUM_DRAFT_TOKENS, doc="K: the chain's drafts per step, or the dynamic tree's depth.")
@@ -104,6 +116,8 @@ class Eagle3RecipeConfig(RecipeConfig):
         default_factory=Eagle3EvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
     draft: Eagle3ArchConfig = documented(default_factory=Eagle3ArchConfig, doc="The draft's shape.")
     loss: Eagle3LossConfig = documented(default_factory=Eagle3LossConfig, doc="The training-time-test loss.")
+    features: Eagle3FeaturesConfig = documented(
+        default_factory=Eagle3FeaturesConfig, doc="Where each step's target features come from.")
 
     def validate(self) -> None:
         super().validate()
@@ -156,6 +170,15 @@ class Eagle3Recipe(Recipe):
         return (f"EAGLE-3 draft over the {self.config.draft.vocab_size} tokens the target uses most, reading its "
                 f"hidden states {list(ids) if ids else 'at (2, L//2, L-3)'}")
 
+    def prepare_data(self):
+        data, prompts = super().prepare_data()
+        if self.config.features.keep_in_memory:  # the feature memo's key
+            data.train = data.train.add_column("example_index", list(range(len(data.train))))
+        return data, prompts
+
+    def make_collator(self):
+        return Eagle3Collator(self.config.data.max_seq_len, self.pad_id, align_prompts=True)
+
     def build_trainable(self) -> Eagle3Draft:
         """After the data: the draft vocabulary is counted on the target's answers."""
         cfg = self.config
@@ -169,6 +192,8 @@ class Eagle3Recipe(Recipe):
             draft.lm_head.requires_grad_(False)
         self.teacher_kind = cfg.loss.teacher if cfg.loss.teacher != "auto" else (
             "topk" if cfg.data.store_topk else "hidden")
+        self.features = TargetFeatures(self.target, draft.config.aux_layer_ids, need_final=self.teacher_kind == "hidden",
+                                       keep_in_memory=cfg.features.keep_in_memory)
         return draft.train()
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -176,20 +201,16 @@ class Eagle3Recipe(Recipe):
         draft = self.accelerator.unwrap_model(model)
         steps = cfg.loss.ttt_steps
         start = first_trained_index(batch["loss_mask"], steps)  # the draft skips the prompt's head
-        with torch.no_grad():  # the frozen target, its body only: no full-vocabulary LM head
-            hidden_states = self.target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                              position_ids=batch["position_ids"], output_hidden_states=True,
-                                              use_cache=False).hidden_states
+        features, final_hidden = self.features(batch)  # the frozen target, no grad
+        with torch.no_grad():
             if self.teacher_kind == "topk":
                 teacher = teacher_logits_from_topk(batch["topk_ids"][:, start:], batch["topk_logprobs"][:, start:],
                                                    draft.draft_target_ids, draft.config.vocab_size)
             else:
-                teacher = teacher_logits_from_hidden(hidden_states[-1][:, start:],
-                                                     self.target.get_output_embeddings().weight,
+                teacher = teacher_logits_from_hidden(final_hidden[:, start:], self.target.get_output_embeddings().weight,
                                                      draft.draft_target_ids)
-        logits = model(draft.target_features(hidden_states), batch["input_ids"],
-                       attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], num_steps=steps,
-                       logits_from=start)
+        logits = model(features.to(draft.fc.weight.dtype), batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], num_steps=steps, logits_from=start)
         out = eagle3_loss(logits, teacher, batch["loss_mask"][:, start:], batch["attention_mask"][:, start:],
                           next_tokens(batch["input_ids"], start), draft.d2t, draft.t2d, decay=cfg.loss.decay)
         logs = {f"acc_{j}": acc for j, acc in enumerate(out.step_accuracy.nan_to_num(0.0).tolist())}
@@ -227,6 +248,16 @@ class Eagle3Recipe(Recipe):
                                "exported weights": f"step {result.best_step} ({chosen})",
                                "held-out prompts": len(self.prompts)})
         return {f"final_{other}": other_metrics}
+
+
+class Eagle3Collator(DistillCollator):
+    """The distillation batches, plus each row's `example_index` when the data carries one."""
+
+    def __call__(self, rows):
+        batch = super().__call__(rows)
+        if rows and "example_index" in rows[0]:
+            batch["example_index"] = torch.tensor([r["example_index"] for r in rows], dtype=torch.long)
+        return batch
 
 
 def main(argv: list[str] | None = None) -> int:

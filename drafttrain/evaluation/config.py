@@ -69,7 +69,8 @@ class EvalConfig:
     baseline: str = option("ours", "ours: also decode and time every prompt with the target alone on the same "
                            "engine (speedups, output matching); none: skip it.", choices=("ours", "none"))
     engine: str = option("auto", "Decoding engine: eager is the model's own forward on a dynamic cache; static "
-                         "(preallocated cache, compiled steps) is not in this build yet; auto picks eager.",
+                         "a preallocated KV cache with compiled fixed-shape steps (CUDA graphs on CUDA; Llama, "
+                         "Mistral, Qwen2, Qwen3); auto is static on CUDA where supported, else eager.",
                          choices=ENGINE_CHOICES)
     ngram_max: int = option(3, "Longest suffix n-gram that n-gram lookup matches.", metavar="N")
     tree: str = option("auto", "Candidate tree of Medusa heads and EAGLE-3 drafts (greedy): auto (heads: the tree "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -79,6 +80,23 @@ def test_a_finished_run_started_again_changes_nothing(setup, trained):
     before = (trained / "final" / "model.safetensors").read_bytes()
     assert eagle3_recipe.main(args(setup, trained)) == 0
     assert (trained / "final" / "model.safetensors").read_bytes() == before
+
+
+def test_features_kept_in_memory_resume_exactly(setup, tmp_path, capsys):
+    """The memo starts empty after a resume; the run still ends with the uninterrupted run's weights."""
+    out = tmp_path / "run"
+    overrides = ("features.keep_in_memory=true", "train.max_steps=20", "train.eval_every=10",
+                 "train.checkpoint_every=10", "eval.num_prompts=2")
+    assert eagle3_recipe.main(args(setup, out, *overrides)) == 0
+    uninterrupted = (out / "final" / "model.safetensors").read_bytes()
+    best = json.loads((out / "eval" / "final.json").read_text())
+    shutil.rmtree(out / "checkpoints" / "step-20")
+    shutil.rmtree(out / "final")
+    capsys.readouterr()
+    assert eagle3_recipe.main(args(setup, out, *overrides)) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert (out / "final" / "model.safetensors").read_bytes() == uninterrupted
+    assert json.loads((out / "eval" / "final.json").read_text())["tau"] == best["tau"]
 
 
 @pytest.mark.parametrize("override, needle", [("loss.ttt_steps=0", "loss.ttt_steps"),
