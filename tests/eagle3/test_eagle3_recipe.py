@@ -1,6 +1,6 @@
 """recipes/train_eagle3.py end to end on a tiny target: the draft learns (tau rises), the export
-loads in drafttrain eval and decodes losslessly, a second run resumes, and two CPU processes
-(DDP over gloo) end with the weights of one."""
+loads in drafttrain eval and decodes losslessly, a second run resumes (exactly, with the features kept in
+memory), and two CPU processes (DDP, and DeepSpeed ZeRO-3 over gloo) end with the weights of one."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def test_bad_config_is_one_error_line(setup, tmp_path, capsys, override, needle)
 
 
 @pytest.mark.slow
-def test_two_processes_end_with_the_weights_of_one(setup, tmp_path):
+@pytest.mark.parametrize("launch_config", ["ddp.yaml", "deepspeed_zero3.yaml"])
+def test_two_processes_end_with_the_weights_of_one(setup, tmp_path, launch_config):
     common = ["train.max_steps=6", "train.micro_batch_size=2", "train.eval_every=0", "train.checkpoint_every=3",
               "train.keep_best=false", "eval.num_prompts=2"]
     one, two = tmp_path / "one", tmp_path / "two"
@@ -119,7 +120,7 @@ def test_two_processes_end_with_the_weights_of_one(setup, tmp_path):
                          capture_output=True, text=True, env=subprocess_env(), timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                          str(REPO / "recipes" / "accelerate" / "ddp.yaml"), "--num_processes", "2",
+                          str(REPO / "recipes" / "accelerate" / launch_config), "--num_processes", "2",
                           "--main_process_port", str(free_port()), script, *args(setup, two, *common)],
                          capture_output=True, text=True, env=subprocess_env(), timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,0 +1,89 @@
+"""The package's layers (README, Layout): a module imports only from its own layer or lower ones,
+so data flows one way (data -> training -> checkpoint -> export -> evaluation) and lower layers
+stay usable without the higher ones. Read from the source with `ast`, imports inside functions
+included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
+
+LAYERS = [
+    {"__init__", "errors", "fileio", "config", "home", "tokens"},                       # basics
+    {"models", "prompts", "draft_init", "export", "heads", "eagle3", "corpus", "preflight", "assets"},  # models
+    {"decoding"},                                                                       # decoders
+    {"evaluation", "bench"},                                                            # eval, compare, bench
+    {"data", "losses", "heads.loss"},                                                   # answers, losses
+    {"training"},                                                                       # the loop, recipes
+    {"cli"},                                                                            # the command line
+]
+
+
+def unit(dotted: str) -> str:
+    """'drafttrain.heads.loss' -> 'heads.loss' (a module of the data layer inside heads/), else the
+    first component below the package."""
+    parts = dotted.split(".")[1:] or ["__init__"]
+    return "heads.loss" if parts[:2] == ["heads", "loss"] else parts[0]
+
+
+def layer(name: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if name in names)
+
+
+def imports(path: Path, root: Path) -> list[str]:
+    """The drafttrain modules `path` (a file under the package directory `root`) imports."""
+    module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            if name == "drafttrain":
+                found += [f"drafttrain.{a.name}" for a in node.names]
+            elif name.startswith("drafttrain."):
+                found += [name] if node.module else [f"{name}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("drafttrain.")]
+    return found
+
+
+def module_unit(path: Path, root: Path) -> str:
+    return unit(".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"))
+
+
+def violations(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        me = module_unit(path, root)
+        for target in imports(path, root):
+            other = unit(target)
+            if other != "__version__" and layer(other) > layer(me):
+                found.append(f"{path.relative_to(root.parent)} imports {target}")
+    return found
+
+
+def test_no_module_imports_from_a_higher_layer():
+    assert not violations(PACKAGE), "\n".join(violations(PACKAGE))
+
+
+def test_every_module_has_a_layer():
+    names = {module_unit(p, PACKAGE) for p in PACKAGE.rglob("*.py")}
+    assert all(any(n in layer_names for layer_names in LAYERS) for n in names), names
+
+
+def test_the_check_finds_imports_from_higher_layers(tmp_path):
+    root = tmp_path / "drafttrain"
+    (root / "decoding").mkdir(parents=True)
+    (root / "heads").mkdir()
+    (root / "decoding" / "ok.py").write_text("from ..heads.tree import Path\nfrom . import lm\nimport drafttrain.errors\n")
+    (root / "decoding" / "bad.py").write_text("def f():\n    from ..training.trainer import train\n")
+    (root / "heads" / "model.py").write_text("from drafttrain.heads.loss import x\n")
+    (root / "heads" / "loss.py").write_text("from ..losses import distill_loss\n")
+    assert violations(root) == ["drafttrain/decoding/bad.py imports drafttrain.training.trainer",
+                                "drafttrain/heads/model.py imports drafttrain.heads.loss"]
