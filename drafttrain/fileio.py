@@ -57,6 +57,18 @@ def _umask() -> int:
     return mask
 
 
+def _usual_permissions(root: Path) -> None:
+    """mkdtemp's and mkstemp's 0700/0600 would make an exported model private to its writer (a
+    serving engine running as another user could not read it): give what plain mkdir/open would."""
+    mask = _umask()
+    for d, _, files in os.walk(root):
+        os.chmod(d, 0o777 & ~mask)
+        for f in files:
+            file = os.path.join(d, f)
+            if not os.path.islink(file):
+                os.chmod(file, (0o777 if os.stat(file).st_mode & 0o111 else 0o666) & ~mask)
+
+
 def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
@@ -73,6 +85,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        _usual_permissions(tmp)
         if path.exists():
             if not overwrite:
                 raise FileExistsError(path)

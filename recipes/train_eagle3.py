@@ -236,9 +236,13 @@ class Eagle3Recipe(Recipe):
         other = "dynamic" if cfg.eval.tree == "chain" else "chain"
         other_metrics = greedy_acceptance(self.decoder(model, other), self.prompts, cfg.eval.max_new_tokens,
                                           extra={"tree": other})
-        rows = [table_row(f"initial (before training), {cfg.eval.tree}", initial),
-                table_row(f"final (step {result.best_step}), {cfg.eval.tree}", final),
-                table_row(f"final (step {result.best_step}), {other}", other_metrics)]
+        def how(tree: str) -> str:
+            e = cfg.eval
+            return f"dynamic tree of {e.tree_nodes} nodes, top-{e.tree_topk}" if tree == "dynamic" else "chain"
+
+        rows = [table_row(f"initial (before training), {how(cfg.eval.tree)}", initial),
+                table_row(f"final (step {result.best_step}), {how(cfg.eval.tree)}", final),
+                table_row(f"final (step {result.best_step}), {how(other)}", other_metrics)]
         chosen = "best held-out tau" if cfg.train.keep_best else "last"
         save_eagle3(model.to(DTYPES[cfg.export_dtype]), self.out / "final", acceptance_table=rows,
                     base_info={"target": cfg.target, "recipe": f"drafttrain {self.script}",

@@ -43,3 +43,26 @@ def test_atomic_writes_get_normal_permissions(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_an_atomic_directory_gets_the_permissions_mkdir_and_open_would_give(tmp_path):
+    """An exported model is read by serving engines that may run as another user."""
+    import os
+
+    from drafttrain.fileio import atomic_dir
+
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "final") as d:
+            fd, _ = tempfile.mkstemp(dir=d)  # 0600, like an atomic file write inside the folder
+            os.close(fd)
+            (d / "sub").mkdir(mode=0o700)
+            (d / "run.sh").write_text("")
+            os.chmod(d / "run.sh", 0o700)
+    finally:
+        os.umask(old)
+    final = tmp_path / "final"
+    assert final.stat().st_mode & 0o777 == 0o755
+    assert (final / "sub").stat().st_mode & 0o777 == 0o755
+    modes = sorted(p.stat().st_mode & 0o777 for p in final.iterdir() if p.is_file())
+    assert modes == [0o644, 0o755]
