@@ -45,7 +45,7 @@ from drafttrain.eagle3.loss import (eagle3_loss, first_trained_index, next_token
 from drafttrain.eagle3.model import Eagle3Draft, check_aux_layer_ids
 from drafttrain.eagle3.vocab import build_draft_vocab
 from drafttrain.errors import UserError
-from drafttrain.models import DTYPES, load_causal_lm, load_tokenizer, resolve_dtype
+from drafttrain.models import DTYPES
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.heldout import greedy_acceptance, table_row
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
@@ -151,9 +151,7 @@ class Eagle3Recipe(Recipe):
 
     def load_models(self) -> None:
         cfg = self.config
-        self.tokenizer = load_tokenizer(cfg.target, "target")
-        self.target = load_causal_lm(cfg.target, resolve_dtype(cfg.target_dtype, self.device), self.device, "target")
-        self.target.requires_grad_(False)
+        self.load_frozen_target()
         kind = getattr(self.target.config, "model_type", None)
         if kind not in SUPPORTED:
             raise UserError(f"the EAGLE-3 draft copies the shape of a {', '.join(SUPPORTED)} decoder layer; this "

@@ -46,7 +46,7 @@ from drafttrain.heads.export import save_medusa
 from drafttrain.heads.loss import HeadsObjective, JointObjective
 from drafttrain.heads.model import MedusaHeads
 from drafttrain.heads.tree import default_tree, tree_from_accuracies
-from drafttrain.models import DTYPES, load_causal_lm, load_tokenizer, resolve_dtype
+from drafttrain.models import DTYPES
 from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.heldout import greedy_acceptance, table_row
@@ -193,9 +193,7 @@ class HeadsRecipe(Recipe):
 
     def load_models(self) -> None:
         cfg = self.config
-        self.tokenizer = load_tokenizer(cfg.target, "target")
-        self.target = load_causal_lm(cfg.target, resolve_dtype(cfg.target_dtype, self.device), self.device, "target")
-        self.target.requires_grad_(False)
+        self.load_frozen_target()
         check_last_hidden_state(self.target)
         if cfg.lora.enabled:
             check_lora_modules(self.target, cfg.lora.target_modules)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from ..decoding import ENGINES, StaticLM, cached_lm, resolve_engine, static_support
 from ..decoding.defaults import NUM_DRAFT_TOKENS
 from ..errors import UserError
+from ..evaluation.run import environment
 from ..fileio import atomic_dir, atomic_write_json, atomic_write_text, check_output_dir
 from ..heads.tree import DEFAULT_TREE
 from . import measure
@@ -120,19 +120,6 @@ def bench_prompts(cfg: BenchConfig, tokenizer, vocab: int) -> list[list[int]]:
         return [encode_prompt(r, tokenizer) for r in read_prompts(cfg.prompts, cfg.limit)]
     g = torch.Generator().manual_seed(cfg.seed)
     return torch.randint(vocab, (cfg.num_prompts, cfg.prompt_length), generator=g).tolist()
-
-
-def environment(device: torch.device) -> dict:
-    import transformers
-
-    from .. import __version__
-
-    if device.type == "cuda":
-        name = f"cuda ({torch.cuda.get_device_name(device)})"
-    else:
-        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
-    return {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
-            "drafttrain": __version__}
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:

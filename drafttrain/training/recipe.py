@@ -41,7 +41,7 @@ from ..data.sources import write_prompts_jsonl
 from ..errors import UserError
 from ..fileio import atomic_write_json
 from ..home import expand_vars
-from ..models import DTYPES, check_model_path, first_line
+from ..models import DTYPES, check_model_path, first_line, load_causal_lm, load_tokenizer, resolve_dtype
 from ..prompts import EncodedPrompt
 from ..tokens import eos_token_ids, pad_token_id
 from .config import OptimConfig, TrainConfig
@@ -148,6 +148,14 @@ class Recipe:
         """Load `self.tokenizer`, `self.target` and anything else that can fail before the run
         writes its directory (models, compatibility checks)."""
         raise NotImplementedError
+
+    def load_frozen_target(self) -> None:
+        """`self.tokenizer` and `self.target`, frozen: what drafters that read the target's own
+        features (heads, EAGLE-3) start their `load_models` with."""
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.target, "target")
+        self.target = load_causal_lm(cfg.target, resolve_dtype(cfg.target_dtype, self.device), self.device, "target")
+        self.target.requires_grad_(False)
 
     def save_initial(self) -> None:
         """Main process, once the directory is started: save what the run starts from, if anything."""

@@ -19,6 +19,7 @@ from drafttrain.heads.calibrate import head_topk_accuracy
 from drafttrain.heads.loss import JointObjective, medusa_heads_loss
 from drafttrain.heads.model import MedusaHeads
 from drafttrain.heads.tree import tree_from_accuracies
+import drafttrain.training.recipe as recipe_skeleton
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes" / "configs" / "tiny_heads_test.yaml"
@@ -155,8 +156,8 @@ def run_eval(target, heads, prompts, out, capsys, dtype="float32", tree="auto"):
 @pytest.mark.parametrize("kind", ["kl", "ce"])
 def test_medusa1_raises_tau_and_leaves_the_target_alone(setup, tmp_path, monkeypatch, capsys, kind):
     loaded = []
-    real_load = heads_recipe.load_causal_lm
-    monkeypatch.setattr(heads_recipe, "load_causal_lm", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    real_load = recipe_skeleton.load_causal_lm  # the frozen target is loaded by the shared skeleton
+    monkeypatch.setattr(recipe_skeleton, "load_causal_lm", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
     out = tmp_path / "run"
     assert run_recipe(setup, out, f"loss.kind={kind}") == 0
 
