@@ -6,35 +6,13 @@ import numpy as np
 import pytest
 import torch
 from engines import on_engine
-from scipy.stats import chisquare
+from sampling_reference import chi2_pvalue, exact_two_token_distribution
 from tiny import tiny_lm
 
 from drafttrain.decoding import DraftModelProposer, NgramProposer, SpeculativeDecoder
 from drafttrain.decoding.sampling import probabilities, verify_greedy, verify_sampled
 
 V = 6
-
-
-def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
-    """Chi-square goodness of fit; cells with small expectation are pooled into one."""
-    keys = sorted(probs, key=lambda key: -probs[key])
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for key in keys:
-        e = probs[key] * n
-        if e >= 5:
-            obs.append(counts.get(key, 0))
-            exp.append(e)
-        else:
-            rest_o += counts.get(key, 0)
-            rest_e += e
-    obs.append(rest_o + sum(c for key, c in counts.items() if key not in probs))
-    exp.append(rest_e)
-    obs, exp = np.array(obs, float), np.array(exp, float)
-    if exp[-1] == 0:
-        if obs[-1] > 0:
-            return 0.0  # a sample fell on an outcome of probability zero
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
 def exact_verify_distribution(p, q):
@@ -110,20 +88,6 @@ def test_probabilities_top_p_and_temperature():
     assert torch.allclose(hot, ref / ref.sum())
 
 
-def exact_two_token_distribution(target, prompt, temperature, top_p):
-    with torch.no_grad():
-        p1 = probabilities(target(torch.tensor([prompt])).logits[0, -1], temperature, top_p)
-        out = {}
-        for x in range(V):
-            if p1[x] == 0:
-                continue
-            p2 = probabilities(target(torch.tensor([prompt + [x]])).logits[0, -1], temperature, top_p)
-            for y in range(V):
-                if p2[y] > 0:
-                    out[(x, y)] = float(p1[x] * p2[y])
-    return out
-
-
 @pytest.mark.parametrize("engine", ["eager", "static"])
 @pytest.mark.parametrize("proposer,temperature,top_p", [("draft", 1.0, 1.0), ("draft", 0.8, 0.9),
                                                         ("ngram", 1.0, 1.0)])
@@ -131,7 +95,7 @@ def test_sampled_text_follows_target_distribution(proposer, temperature, top_p, 
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)
     far_draft = tiny_lm(3, vocab_size=V, sharpness=6.0)
     prompt = [1, 3, 1, 3, 1]  # repetitive, so n-gram lookup proposes too
-    exact = exact_two_token_distribution(target, prompt, temperature, top_p)
+    exact = exact_two_token_distribution(target, prompt, temperature, top_p, V)
     g = torch.Generator().manual_seed(1234)
     prop = (DraftModelProposer(on_engine(far_draft, engine), V, temperature, top_p, g) if proposer == "draft"
             else NgramProposer(torch.device("cpu")))
@@ -148,7 +112,7 @@ def test_sampled_text_follows_target_distribution(proposer, temperature, top_p, 
     if proposer == "draft":
         # Power check: the draft's own two-token law is far from the target's, so a leak of q
         # into the output would have failed the test above.
-        leak = exact_two_token_distribution(far_draft, prompt, temperature, top_p)
+        leak = exact_two_token_distribution(far_draft, prompt, temperature, top_p, V)
         assert chi2_pvalue(counts, leak, n) < 1e-6
 
 

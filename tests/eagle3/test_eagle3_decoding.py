@@ -9,13 +9,12 @@ import math
 
 import pytest
 import torch
+from eagle3_helpers import target_hidden_states, tiny_draft
 from engines import ENGINES, on_engine, ready
-from scipy.stats import chisquare
+from sampling_reference import chi2_pvalue, exact_two_token_distribution
 
 from drafttrain.decoding.eagle3 import Eagle3Decoder, Eagle3TreeDrafter
-from drafttrain.decoding.sampling import probabilities
 from drafttrain.eagle3.model import Eagle3KVCache
-from eagle3_helpers import target_hidden_states, tiny_draft
 from tiny import greedy_reference, tiny_lm
 
 EOS = 2
@@ -103,40 +102,6 @@ def test_dynamic_tree_is_eagle2s_choice(trained_pair, depth, topk, nodes):
 V = 6
 
 
-def exact_two_token_distribution(target, prompt, temperature, top_p):
-    with torch.no_grad():
-        p1 = probabilities(target(torch.tensor([prompt])).logits[0, -1], temperature, top_p)
-        out = {}
-        for x in range(V):
-            if p1[x] == 0:
-                continue
-            p2 = probabilities(target(torch.tensor([prompt + [x]])).logits[0, -1], temperature, top_p)
-            for y in range(V):
-                if p2[y] > 0:
-                    out[(x, y)] = float(p1[x] * p2[y])
-    return out
-
-
-def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
-    keys = sorted(probs, key=lambda key: -probs[key])
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for key in keys:
-        e = probs[key] * n
-        if e >= 5:
-            obs.append(counts.get(key, 0))
-            exp.append(e)
-        else:
-            rest_o += counts.get(key, 0)
-            rest_e += e
-    rest_o += sum(c for key, c in counts.items() if key not in probs)
-    if rest_e > 0:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    elif rest_o:  # outcomes the target never produces
-        return 0.0
-    return float(chisquare(obs, exp, sum_check=False).pvalue)
-
-
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
 def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temperature, top_p):
     """The draft knows 4 of the 6 tokens: q is 0 on the other two, and they must still come out
@@ -145,7 +110,7 @@ def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temp
     draft = tiny_draft(target, draft_vocab_size=4, vocab_size=V, scale=0.6)
     outside = set(range(V)) - set(draft.draft_target_ids.tolist())
     prompt = [1, 3, 1, 3, 1]
-    exact = exact_two_token_distribution(target, prompt, temperature, top_p)
+    exact = exact_two_token_distribution(target, prompt, temperature, top_p, V)
     assert sum(p for (x, _), p in exact.items() if x in outside) > 0.05  # the test can see a leak
     g = torch.Generator().manual_seed(1234)
     decoder = Eagle3Decoder(target, draft, num_draft_tokens=3, temperature=temperature, top_p=top_p, generator=g)
