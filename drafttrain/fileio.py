@@ -95,7 +95,12 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except OSError:  # another process renamed its copy into place first (ENOTEMPTY)
+                if path.is_dir() and not overwrite:
+                    raise FileExistsError(path) from None
+                raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

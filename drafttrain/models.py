@@ -98,6 +98,13 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, what: st
     return model.to(device).eval()
 
 
+def is_sharded_module(model: torch.nn.Module) -> bool:
+    """True when `model`'s weights are split across ranks (FSDP2 DTensors or ZeRO-3 partitions),
+    so no rank may read them outside a forward (`training.frozen`)."""
+    p = next(model.parameters(), None)
+    return p is not None and (hasattr(p, "ds_id") or hasattr(p, "_local_tensor"))
+
+
 @contextlib.contextmanager
 def quiet_progress_bars():
     """No "Loading weights" bars on stderr: a failed command must print only its one `error:` line."""

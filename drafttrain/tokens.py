@@ -52,7 +52,8 @@ def pad_token_id(tokenizer, model=None) -> int:
 
 def output_vocab_size(model) -> int:
     """Rows of the model's LM head: how many logits it emits per position."""
-    return int(model.get_output_embeddings().weight.shape[0])
+    weight = model.get_output_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])  # ds_shape: a ZeRO-3 partition's full shape
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

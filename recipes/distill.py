@@ -248,7 +248,7 @@ class DistillRecipe(Recipe):
         return acceptance(self.target, model, self.prompts, num_draft_tokens=self.config.eval.num_draft_tokens,
                           max_new_tokens=self.config.eval.max_new_tokens, eos_token_ids=set(self.eos_ids))
 
-    def export(self, result, initial: dict, final: dict) -> dict:
+    def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         cfg = self.config
         rows = [table_row("initial (before training)", initial), table_row(f"final (step {result.best_step})", final)]
         chosen = "best held-out tau" if cfg.train.keep_best else "last"
@@ -257,7 +257,6 @@ class DistillRecipe(Recipe):
                      base_info={**self.card_info, "loss": cfg.loss.kind, "training steps": result.step,
                                 "exported weights": f"step {result.best_step} ({chosen})",
                                 "held-out prompts": len(self.prompts)})
-        return {}
 
     @property
     def export_eos(self) -> int | list[int]:

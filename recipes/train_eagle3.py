@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import nn
 
 from drafttrain.config import documented
 from drafttrain.data import DataConfig
@@ -48,6 +49,8 @@ from drafttrain.errors import UserError
 from drafttrain.models import DTYPES
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.heldout import greedy_acceptance, table_row
+from drafttrain.training.distributed import is_sharded
+from drafttrain.training.frozen import gathered
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # targets whose layer the draft layer copies the shape of
@@ -89,6 +92,11 @@ class Eagle3FeaturesConfig:
                    "for small data sets trained several epochs, where the target's forward dominates a step (a "
                    "CPU). Costs examples x tokens x 3*H values (4*H with the hidden teacher) of the target's "
                    "dtype. false: one target forward per batch.")
+    shard_target: bool = documented(
+        False, doc="Under an FSDP or DeepSpeed ZeRO-3 launch, shard the frozen target across the ranks too, so each "
+                   "GPU holds 1/N of it (loaded whole into CPU memory first). Every rank then runs the same target "
+                   "forwards in lockstep: it generates the training answers and decodes the held-out prompts with the "
+                   "others (the eager engine). For targets too large to copy onto every GPU.")
 
 
 @dataclass
@@ -130,6 +138,9 @@ class Eagle3RecipeConfig(RecipeConfig):
         if self.loss.teacher == "topk" and not self.data.store_topk:
             raise UserError("loss.teacher=topk reads the target's stored top-k, but data.store_topk is 0; set "
                             "data.store_topk (e.g. 32) or loss.teacher=hidden")
+        if self.features.shard_target and self.features.keep_in_memory:
+            raise UserError("features.keep_in_memory runs the target once per example, at different times on each "
+                            "rank, which a sharded target cannot do; set features.keep_in_memory=false")
         if self.data.prompt_loss_weight:
             raise UserError("data.prompt_loss_weight is a distillation setting; an EAGLE-3 draft trains on response "
                             "positions only, so set data.prompt_loss_weight=0")
@@ -151,7 +162,11 @@ class Eagle3Recipe(Recipe):
 
     def load_models(self) -> None:
         cfg = self.config
-        self.load_frozen_target()
+        if cfg.features.shard_target and not is_sharded(self.accelerator):
+            raise UserError("features.shard_target splits the target across the ranks of an FSDP or ZeRO-3 launch; "
+                            "launch with recipes/accelerate/fsdp2.yaml or deepspeed_zero3.yaml, or set "
+                            "features.shard_target=false")
+        self.load_frozen_target(shard=cfg.features.shard_target)
         kind = getattr(self.target.config, "model_type", None)
         if kind not in SUPPORTED:
             raise UserError(f"the EAGLE-3 draft copies the shape of a {', '.join(SUPPORTED)} decoder layer; this "
@@ -183,8 +198,18 @@ class Eagle3Recipe(Recipe):
         answers = [row["response_ids"] for row in self.data.train]
         vocab = build_draft_vocab(answers, self.target.config.vocab_size, cfg.draft.vocab_size,
                                   always_include=self.eos_ids)
-        draft = Eagle3Draft.from_target(self.target, vocab, aux_layer_ids=self.aux_layer_ids, dtype=torch.float32,
-                                        seed=cfg.train.seed)
+        target = self.target
+        embedding, head = target.get_input_embeddings(), target.get_output_embeddings()
+        with gathered(target, embedding, head, target.model.norm):  # full weights, even when sharded
+            draft = Eagle3Draft.from_target(target, vocab, aux_layer_ids=self.aux_layer_ids, dtype=torch.float32,
+                                            seed=cfg.train.seed, device=self.device)
+            # The teacher's readout: the target's LM head rows of the draft vocabulary, fixed.
+            self.teacher_rows = head.weight.detach().index_select(0, draft.draft_target_ids.to(head.weight.device))
+            self.teacher_rows = self.teacher_rows.to(self.device, copy=True)
+            if self.target_sharded:  # the draft embeds tokens outside the target's forward: a plain copy
+                embedding = nn.Embedding.from_pretrained(embedding.weight.detach().to(self.device, copy=True))
+        self.embedding = embedding
+        draft.attach_embeddings(embedding)
         draft.requires_grad_(True)
         if cfg.draft.freeze_lm_head:
             draft.lm_head.requires_grad_(False)
@@ -205,8 +230,7 @@ class Eagle3Recipe(Recipe):
                 teacher = teacher_logits_from_topk(batch["topk_ids"][:, start:], batch["topk_logprobs"][:, start:],
                                                    draft.draft_target_ids, draft.config.vocab_size)
             else:
-                teacher = teacher_logits_from_hidden(final_hidden[:, start:], self.target.get_output_embeddings().weight,
-                                                     draft.draft_target_ids)
+                teacher = teacher_logits_from_hidden(final_hidden[:, start:], self.teacher_rows)
         logits = model(features.to(draft.fc.weight.dtype), batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"], num_steps=steps, logits_from=start)
         out = eagle3_loss(logits, teacher, batch["loss_mask"][:, start:], batch["attention_mask"][:, start:],
@@ -216,7 +240,7 @@ class Eagle3Recipe(Recipe):
 
     def decoder(self, draft: Eagle3Draft, tree: str | None = None):
         e = self.config.eval
-        draft.attach_embeddings(self.target.get_input_embeddings())
+        draft.attach_embeddings(self.embedding)
         return Eagle3Decoder(self.target, draft, num_draft_tokens=e.num_draft_tokens, tree=tree or e.tree,
                              tree_nodes=e.tree_nodes, tree_topk=e.tree_topk, eos_token_ids=set(self.eos_ids))
 
@@ -227,13 +251,21 @@ class Eagle3Recipe(Recipe):
             extra["tree_nodes"] = decoder.num_tree_nodes
         return greedy_acceptance(decoder, self.prompts, self.config.eval.max_new_tokens, extra=extra)
 
-    def export(self, result, initial: dict, final: dict) -> dict:
+    def final_evaluations(self, result) -> dict:
+        """The chosen draft's held-out acceptance the other way: as a dynamic tree if it was picked
+        as a chain, and the other way round."""
+        other = "dynamic" if self.config.eval.tree == "chain" else "chain"
+        metrics = greedy_acceptance(self.decoder(result.model, other), self.prompts, self.config.eval.max_new_tokens,
+                                    extra={"tree": other})
+        return {f"final_{other}": metrics}
+
+    def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         """final/: the best draft, with its held-out acceptance as a chain and as a dynamic tree."""
         cfg = self.config
         model = result.model
         other = "dynamic" if cfg.eval.tree == "chain" else "chain"
-        other_metrics = greedy_acceptance(self.decoder(model, other), self.prompts, cfg.eval.max_new_tokens,
-                                          extra={"tree": other})
+        other_metrics = extra[f"final_{other}"]
+
         def how(tree: str) -> str:
             e = cfg.eval
             return f"dynamic tree of {e.tree_nodes} nodes, top-{e.tree_topk}" if tree == "dynamic" else "chain"
@@ -249,7 +281,6 @@ class Eagle3Recipe(Recipe):
                                "training steps": result.step,
                                "exported weights": f"step {result.best_step} ({chosen})",
                                "held-out prompts": len(self.prompts)})
-        return {f"final_{other}": other_metrics}
 
 
 class Eagle3Collator(DistillCollator):

@@ -237,16 +237,18 @@ class HeadsRecipe(Recipe):
         """Medusa-2 verifies with the adapted target (adapters on), Medusa-1 with the target itself."""
         return model.target if self.config.lora.enabled else self.target
 
-    def export(self, result, initial: dict, final: dict) -> dict:
-        cfg = self.config
-        calibrated = None
-        if cfg.eval.tree_nodes:
-            calibrated = self.calibrate_tree(result.model)
-            self.accelerator.print(f"calibrated tree: {cfg.eval.tree_nodes} nodes, held-out tau "
-                                   f"{calibrated['tau']:.3f} (default tree {final['tau']:.3f})")
-        export_final(result.model, cfg, self.tokenizer, self.out / "final", result.step, result.best_step, initial,
-                     final, len(self.prompts), calibrated=calibrated)
-        return {"calibrated": calibrated} if calibrated else {}
+    def final_evaluations(self, result) -> dict:
+        """With eval.tree_nodes: the tree calibrated on the trained heads, and its held-out tau."""
+        if not self.config.eval.tree_nodes:
+            return {}
+        calibrated = self.calibrate_tree(result.model)
+        self.accelerator.print(f"calibrated tree: {self.config.eval.tree_nodes} nodes, held-out tau "
+                               f"{calibrated['tau']:.3f} (default tree {result.best_metrics['tau']:.3f})")
+        return {"calibrated": calibrated}
+
+    def export(self, result, initial: dict, final: dict, extra: dict) -> None:
+        export_final(result.model, self.config, self.tokenizer, self.out / "final", result.step, result.best_step,
+                     initial, final, len(self.prompts), calibrated=extra.get("calibrated"))
 
     def calibrate_tree(self, module: nn.Module) -> dict:
         """The trained heads' top-k accuracy on the held-out prompts, the tree it implies, and that

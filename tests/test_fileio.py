@@ -1,6 +1,7 @@
 """Output paths are checked before any work: a file, a path under a file, or an unwritable place."""
 
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,27 @@ def test_an_atomic_directory_gets_the_permissions_mkdir_and_open_would_give(tmp_
     assert (final / "sub").stat().st_mode & 0o777 == 0o755
     modes = sorted(p.stat().st_mode & 0o777 for p in final.iterdir() if p.is_file())
     assert modes == [0o644, 0o755]
+
+
+def test_an_atomic_directory_renamed_into_place_by_another_process_first_is_theirs(tmp_path, monkeypatch):
+    """Ranks generating the same cached data at once: the loser gets FileExistsError, the winner's
+    copy stays whole, the loser's temporary is gone."""
+    import os
+
+    from drafttrain.fileio import atomic_dir
+
+    target = tmp_path / "cache"
+    real_replace = os.replace
+
+    def another_process_wins(src, dst):
+        if Path(dst) == target and not target.exists():
+            target.mkdir()
+            (target / "theirs").write_text("complete")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", another_process_wins)
+    with pytest.raises(FileExistsError):
+        with atomic_dir(target) as tmp:
+            (tmp / "mine").write_text("complete")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+    assert [p.name for p in target.iterdir()] == ["theirs"]

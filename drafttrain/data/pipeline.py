@@ -20,11 +20,14 @@ class DistillData:
     heldout: list[PromptRecord]      # never trained on; write with sources.write_prompts_jsonl for eval
 
 
-def prepare_distillation_data(cfg: DataConfig, target_model, tokenizer, *, target_path: str) -> DistillData:
+def prepare_distillation_data(cfg: DataConfig, target_model, tokenizer, *, target_path: str,
+                              fingerprint: str | None = None) -> DistillData:
+    """`fingerprint`: the target's `target_fingerprint`, when it was taken before the target was
+    sharded (a sharded model's weights cannot be sampled outside its forward)."""
     cfg.validate()
     if not cfg.sources:
         raise UserError("data.sources is empty; add at least one prompt source (jsonl, hf or self_instruct)")
-    fingerprint = target_fingerprint(target_path, target_model)
+    fingerprint = fingerprint or target_fingerprint(target_path, target_model)
     records: list[PromptRecord] = []
     for src in cfg.sources:
         records += load_prompts_from_source(src, tokenizer, target_model, seed=cfg.seed,

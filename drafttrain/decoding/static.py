@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
+from ..models import is_sharded_module
 from .lm import CachedLM, device_tensor
 from .tree import Tree
 
@@ -46,6 +47,8 @@ def static_support(model, max_length: int | None = None) -> str | None:
     cfg = model.config
     kind = getattr(cfg, "model_type", None)
     arch = ", ".join(getattr(cfg, "architectures", None) or [type(model).__name__])
+    if is_sharded_module(model):
+        return "the model's weights are sharded across ranks (FSDP/ZeRO-3), gathered only inside its own forward"
     if kind not in SUPPORTED_ARCHITECTURES:
         return f"the static engine supports {', '.join(SUPPORTED_ARCHITECTURES)} models, not {arch} ({kind})"
     body = getattr(model, "model", None)

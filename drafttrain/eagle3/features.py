@@ -25,9 +25,10 @@ class TargetFeatures:
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def _hidden_states(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, ...]:
-        """The target's body only: no full-vocabulary LM head."""
-        return self.target.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 output_hidden_states=True, use_cache=False).hidden_states
+        """The whole model's forward (a sharded target gathers its weights in it), but the LM head
+        on one position only (`logits_to_keep`): its full-vocabulary logits are never needed."""
+        return self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states
 
     def _split(self, hidden_states) -> tuple[torch.Tensor, torch.Tensor | None]:
         features = torch.cat([hidden_states[i] for i in self.aux_layer_ids], dim=-1)

@@ -49,11 +49,13 @@ def next_tokens(input_ids: torch.Tensor, start: int) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_logits_from_hidden(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                               draft_target_ids: torch.Tensor) -> torch.Tensor:
+                               draft_target_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The target's logits at the draft vocabulary only: [..., H] x [V, H] rows -> [..., Vd]
     (in at least float32). `final_hidden` is after the target's final norm (transformers'
-    `hidden_states[-1]`); `draft_target_ids` is `Eagle3Draft.draft_target_ids`."""
-    rows = lm_head_weight.index_select(0, draft_target_ids.to(lm_head_weight.device))
+    `hidden_states[-1]`); `draft_target_ids` is `Eagle3Draft.draft_target_ids`, or None when
+    `lm_head_weight` holds just those rows already ([Vd, H], picked once for a whole run)."""
+    rows = lm_head_weight if draft_target_ids is None else \
+        lm_head_weight.index_select(0, draft_target_ids.to(lm_head_weight.device))
     dtype = torch.promote_types(final_hidden.dtype, torch.float32)
     return final_hidden.to(dtype) @ rows.to(dtype).T
 

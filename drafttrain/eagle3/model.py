@@ -322,9 +322,11 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_target(cls, target, vocab, aux_layer_ids: Sequence[int] | None = None,
-                    dtype: torch.dtype | None = None, seed: int | None = None) -> "Eagle3Draft":
+                    dtype: torch.dtype | None = None, seed: int | None = None,
+                    device: torch.device | None = None) -> "Eagle3Draft":
         """A draft for `target` (a transformers causal LM) over the draft vocabulary `vocab`
-        (`vocab.DraftVocab`), initialised as `init_from_target` says, the target's embedding attached."""
+        (`vocab.DraftVocab`), initialised as `init_from_target` says, the target's embedding attached;
+        on `device` (default: the target's)."""
         if vocab.vocab_size != target.config.vocab_size:
             raise UserError(f"the draft vocabulary was built for {vocab.vocab_size} target tokens but the target "
                             f"has {target.config.vocab_size}; rebuild it from this target's answers")
@@ -333,7 +335,7 @@ class Eagle3Draft(nn.Module):
             torch.manual_seed(seed)
         draft = cls(config)
         draft.init_from_target(target, vocab)
-        device = next(target.parameters()).device
+        device = device or next(target.parameters()).device
         draft.to(device=device, dtype=dtype or next(target.parameters()).dtype)
         return draft.attach_embeddings(target.get_input_embeddings())
 

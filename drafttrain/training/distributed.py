@@ -166,6 +166,16 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
 
+def broadcast_weights(accelerator, module: torch.nn.Module) -> None:
+    """Collective: every rank's `module` (a plain copy on each rank, same shapes) takes the main
+    process's weights and buffers, in place."""
+    if accelerator.num_processes == 1:
+        return
+    with torch.no_grad():
+        for tensor in module.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
 def load_full_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Strict load, except that a tied weight (e.g. an LM head sharing the embedding) may be
     missing from gathered state dicts that store shared tensors once."""
@@ -180,6 +190,6 @@ def load_full_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]
             raise RuntimeError(f"missing weights: {untied[:5]}")
 
 
-__all__ = ["any_rank", "broadcast", "build_accelerator", "close_process_group", "configure_deepspeed",
+__all__ = ["any_rank", "broadcast", "broadcast_weights", "build_accelerator", "close_process_group", "configure_deepspeed",
            "full_state_dict", "is_deepspeed_launch", "is_sharded", "load_full_state_dict", "on_main",
            "raise_if_any", "zero3_init_disabled"]

@@ -14,17 +14,19 @@ A recipe (`recipes/distill.py`, `recipes/train_heads.py`, ...) is a `Recipe` sub
       make_collator(), build_trainable()  <- the recipe
     train()
       the generic loop (training.trainer) with the recipe's loss() and evaluate()
+      final_evaluations()    <- the recipe      (more measurements of the chosen weights, if any)
       export()               <- the recipe      (final/, from the best evaluated weights)
       eval/initial.json, eval/final.json, a summary
     cleanup()                                   (the lock is released)
 
-So a new drafter kind (EAGLE-3 next) writes its config sections, and five methods: load_models,
-build_trainable, loss, evaluate, export. Anything that fails before the output directory is
+So a drafter kind writes its config sections, and five methods: load_models, build_trainable,
+loss, evaluate, export (final_evaluations if it measures more than `evaluate` does). Anything that fails before the output directory is
 started leaves no trace; every failure is one `error:` line and exit code 2 (`recipe_main`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ import torch
 from ..config import config_to_dict, documented, parse_argv
 from ..data.collate import DistillCollator
 from ..data.config import DataConfig
+from ..data.generation import target_fingerprint
 from ..data.pipeline import DistillData, prepare_distillation_data
 from ..data.sources import write_prompts_jsonl
 from ..errors import UserError
@@ -45,7 +48,8 @@ from ..models import DTYPES, check_model_path, first_line, load_causal_lm, load_
 from ..prompts import EncodedPrompt
 from ..tokens import eos_token_ids, pad_token_id
 from .config import OptimConfig, TrainConfig
-from .distributed import build_accelerator, close_process_group, zero3_init_disabled
+from .distributed import build_accelerator, close_process_group, is_sharded, zero3_init_disabled
+from .frozen import local_fraction, shard_frozen
 from .heldout import eval_prompts
 from .run_dir import RunDirectory
 from .trainer import TrainResult, train
@@ -136,6 +140,10 @@ class Recipe:
 
     tokenizer: Any
     target: torch.nn.Module
+    # True once load_frozen_target(shard=True) split the target across the ranks: every forward is
+    # then a collective, so evaluation runs on every rank in lockstep, not on the main one alone.
+    target_sharded: bool = False
+    target_fingerprint: str | None = None  # taken before sharding, for the answer cache
 
     def __init__(self, config: RecipeConfig, *, overwrite: bool = False):
         self.config = config
@@ -149,13 +157,24 @@ class Recipe:
         writes its directory (models, compatibility checks)."""
         raise NotImplementedError
 
-    def load_frozen_target(self) -> None:
+    def load_frozen_target(self, *, shard: bool = False) -> None:
         """`self.tokenizer` and `self.target`, frozen: what drafters that read the target's own
-        features (heads, EAGLE-3) start their `load_models` with."""
+        features (heads, EAGLE-3) start their `load_models` with. `shard`: split the target across
+        the ranks of an FSDP / ZeRO-3 launch (`training.frozen`); it is loaded whole on the CPU
+        first, so each GPU only ever holds its share."""
         cfg = self.config
+        if shard and not is_sharded(self.accelerator):
+            raise ValueError("sharding the target needs an FSDP or DeepSpeed ZeRO-3 launch")
         self.tokenizer = load_tokenizer(cfg.target, "target")
-        self.target = load_causal_lm(cfg.target, resolve_dtype(cfg.target_dtype, self.device), self.device, "target")
+        dtype = resolve_dtype(cfg.target_dtype, self.device)
+        self.target = load_causal_lm(cfg.target, dtype, torch.device("cpu") if shard else self.device, "target")
         self.target.requires_grad_(False)
+        if shard:
+            self.target_fingerprint = target_fingerprint(cfg.target, self.target)
+            shard_frozen(self.accelerator, self.target)
+            self.target_sharded = True
+            self.accelerator.print(f"the target is sharded across {self.accelerator.num_processes} ranks (each holds "
+                                   f"{local_fraction(self.target):.0%} of its weights); evaluation runs on every rank")
 
     def save_initial(self) -> None:
         """Main process, once the directory is started: save what the run starts from, if anything."""
@@ -180,8 +199,13 @@ class Recipe:
         """Greedy acceptance of `model` on `self.prompts` (see `training.heldout.greedy_acceptance`)."""
         raise NotImplementedError
 
-    def export(self, result: TrainResult, initial: dict, final: dict) -> dict[str, dict]:
-        """Main process: write `final/` from `result.model`; return extra evaluations to save as eval/NAME.json."""
+    def final_evaluations(self, result: TrainResult) -> dict[str, dict]:
+        """More measurements of the chosen weights `result.model`, saved as eval/NAME.json and handed
+        to `export`. On the main process, or on every rank when the target is sharded."""
+        return {}
+
+    def export(self, result: TrainResult, initial: dict, final: dict, extra: dict[str, dict]) -> None:
+        """Main process: write `final/` from `result.model` (`extra`: what final_evaluations measured)."""
         raise NotImplementedError
 
     def summary_fields(self) -> dict:
@@ -227,8 +251,12 @@ class Recipe:
         prompts (saved to heldout.jsonl for `drafttrain eval`) and the first of them that
         evaluation decodes."""
         cfg = self.config
-        with self.accelerator.main_process_first():
-            data = prepare_distillation_data(cfg.data, self.target, self.tokenizer, target_path=cfg.target)
+        # The main process generates the answers (or reads them from the cache), the others then read
+        # the cache; a sharded target generates on every rank together (the first copy is cached).
+        first = contextlib.nullcontext() if self.target_sharded else self.accelerator.main_process_first()
+        with first:
+            data = prepare_distillation_data(cfg.data, self.target, self.tokenizer, target_path=cfg.target,
+                                             fingerprint=self.target_fingerprint)
         if self.main:
             write_prompts_jsonl(self.out / "heldout.jsonl", data.heldout)
         prompts = eval_prompts(data.heldout, self.tokenizer, self.target, num_prompts=cfg.eval.num_prompts,
@@ -238,14 +266,16 @@ class Recipe:
     def train(self) -> dict:
         cfg = self.config
         result = train(self.accelerator, self.trainable, self.data.train, self.collator, self.loss, self.evaluate,
-                       cfg.train, cfg.optim, self.out, run_config=config_to_dict(cfg))
+                       cfg.train, cfg.optim, self.out, run_config=config_to_dict(cfg),
+                       evaluate_everywhere=self.target_sharded)
         initial = next(e for e in result.evals if e["step"] == 0)
         final = result.best_metrics
         summary = {"output_dir": str(self.out), **self.summary_fields(), "initial_tau": initial["tau"],
                    "final_tau": final["tau"], "best_step": result.best_step, "steps": result.step,
                    "final_dir": str(self.out / "final")}
+        extra = self.final_evaluations(result) if self.main or self.target_sharded else {}
         if self.main:
-            extra = self.export(result, initial, final)
+            self.export(result, initial, final, extra)
             for name, metrics in {"initial": initial, "final": final, **extra}.items():
                 atomic_write_json(self.out / "eval" / f"{name}.json", metrics)
             self.accelerator.print(f"tau {initial['tau']:.3f} -> {final['tau']:.3f} (step {result.best_step}); "

@@ -11,7 +11,8 @@ dataset with its collate function, `loss_fn(model, batch) -> (loss, logs)` and
   without a recipe) and no leftovers of killed runs.
 - `distributed`: the Accelerator and how ranks agree.
 
-This module is the loop itself. Evaluation runs on the main process (other ranks wait); the
+This module is the loop itself. Evaluation runs on the main process (other ranks wait), or on
+every rank in lockstep when evaluate_fn runs a sharded target (`evaluate_everywhere`); the
 weights with the best `tau` (mean accepted length, not the loss) are kept in `best/`, so the
 export is the best drafter. Under ZeRO-3 / FSDP the full weights are gathered into a plain copy
 of the module first. A loss or weights that turn NaN/inf stop the run with a UserError before
@@ -38,8 +39,8 @@ from ..models import first_line
 from .checkpoints import (BEST_DIR, ResumePoint, find_resume_checkpoint, load_best_weights, newest_evaluated_checkpoint,
                           prune_checkpoints, read_best, read_state, save_best, save_checkpoint, set_aside)
 from .config import OptimConfig, TrainConfig
-from .distributed import (broadcast, configure_deepspeed, full_state_dict, is_sharded, load_full_state_dict, on_main,
-                          raise_if_any)
+from .distributed import (broadcast, broadcast_weights, configure_deepspeed, full_state_dict, is_sharded,
+                          load_full_state_dict, on_main, raise_if_any)
 from .optim import build_optimizer, build_scheduler
 from .run_dir import acquire_run_lock, release_run_lock, remove_leftovers
 from .sampler import MicroBatches
@@ -56,7 +57,7 @@ class TrainResult:
     best_step: int               # step whose weights `model` holds (the last one if keep_best is off)
     best_metrics: dict           # evaluate_fn's result for those weights
     evals: list[dict]            # every evaluation: {"step": s, **metrics}, step 0 first
-    model: torch.nn.Module | None  # a plain module with the chosen weights (main process; None elsewhere)
+    model: torch.nn.Module | None  # plain module, chosen weights (main process, or every rank: evaluate_everywhere)
     resumed_from: int | None = None
 
 
@@ -80,7 +81,7 @@ class TrainerState:
 
 def train(accelerator, model: torch.nn.Module, dataset, collate_fn: Callable[[list], dict], loss_fn: LossFn,
           evaluate_fn: EvalFn, cfg: TrainConfig, optim: OptimConfig, output_dir: str | Path, *,
-          run_config: dict | None = None) -> TrainResult:
+          run_config: dict | None = None, evaluate_everywhere: bool = False) -> TrainResult:
     """Train `model` (its `requires_grad` parameters) for `cfg.max_steps` optimizer steps.
 
     `dataset` is map-style (`len`, integer indexing); `collate_fn` turns a list of its rows into a
@@ -89,20 +90,23 @@ def train(accelerator, model: torch.nn.Module, dataset, collate_fn: Callable[[li
     the global data stream, identical for any process count), so a `loss_fn` can seed its own
     randomness reproducibly. `loss_fn` returns the micro-batch's mean loss and a dict of floats
     (the same keys every call), averaged into the log. `evaluate_fn` gets a plain module with the
-    full weights, in eval mode under no_grad, on the main process only; it returns a dict with
-    at least `tau` (higher is better) and JSON-friendly values.
+    full weights, in eval mode under no_grad, on the main process only (`evaluate_everywhere`: on
+    every rank at once, each with the same weights, for an evaluate_fn whose forwards are
+    collectives); it returns a dict with at least `tau` (higher is better) and JSON-friendly
+    values; the main process's result counts.
 
     Started again with the same `output_dir`, it resumes from the newest intact checkpoint.
     """
     return Trainer(accelerator, model, dataset, collate_fn, loss_fn, evaluate_fn, cfg, optim, output_dir,
-                   run_config=run_config).fit()
+                   run_config=run_config, evaluate_everywhere=evaluate_everywhere).fit()
 
 
 class Trainer:
     """One call of `train`: set up, resume or start, loop, hand back the chosen weights."""
 
     def __init__(self, accelerator, model, dataset, collate_fn, loss_fn: LossFn, evaluate_fn: EvalFn,
-                 cfg: TrainConfig, optim: OptimConfig, output_dir: str | Path, *, run_config: dict | None = None):
+                 cfg: TrainConfig, optim: OptimConfig, output_dir: str | Path, *, run_config: dict | None = None,
+                 evaluate_everywhere: bool = False):
         cfg.validate()
         optim.validate()
         self.accelerator, self.model, self.dataset, self.collate_fn = accelerator, model, dataset, collate_fn
@@ -110,6 +114,8 @@ class Trainer:
         self.out = Path(output_dir)
         self.run_config = run_config or {}
         self.main = accelerator.is_main_process
+        self.evaluates = self.main or evaluate_everywhere  # this rank runs evaluate_fn
+        self.everywhere = evaluate_everywhere
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.state = TrainerState()
         self.resumed_from: int | None = None
@@ -141,7 +147,7 @@ class Trainer:
         acc = self.accelerator
         self.sharded = is_sharded(acc)
         # A plain copy holds gathered weights for evaluation/export when no rank holds them all.
-        self.shadow = copy.deepcopy(self.model) if self.sharded and self.main else None
+        self.shadow = copy.deepcopy(self.model) if self.sharded and self.evaluates else None
         optimizer = build_optimizer(self.model, self.optim)
         self.scheduler = build_scheduler(optimizer, self.optim, self.cfg.max_steps)
         configure_deepspeed(acc, self.cfg, self.optim)
@@ -294,7 +300,7 @@ class Trainer:
         self._require_finite()
         acc, state, module = self.accelerator, self.state, self._plain_model()
         metrics = None
-        if self.main:
+        if self.evaluates:
             was_training = module.training
             module.eval()
             start = time.perf_counter()
@@ -363,10 +369,12 @@ class Trainer:
     def _plain_model(self) -> torch.nn.Module | None:
         """The module evaluate_fn and the export see: the unwrapped one, or the filled shadow."""
         if not self.sharded:
-            return self.accelerator.unwrap_model(self.model) if self.main else None
+            return self.accelerator.unwrap_model(self.model) if self.evaluates else None
         weights = full_state_dict(self.accelerator, self.model)  # collective: every rank gathers
         if self.main:
             load_full_state_dict(self.shadow, weights)
+        if self.everywhere:
+            broadcast_weights(self.accelerator, self.shadow)
         return self.shadow
 
     def _result(self) -> TrainResult:
@@ -383,6 +391,8 @@ class Trainer:
             return found
 
         metrics = on_main(self.accelerator, best_metrics)
+        if self.everywhere and cfg.keep_best:
+            broadcast_weights(self.accelerator, module)  # best/ as the main process read it
         if cfg.report_to == "wandb":
             self.accelerator.end_training()
         return TrainResult(step=state.step, best_step=state.best_step, best_metrics=metrics, evals=state.evals,

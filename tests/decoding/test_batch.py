@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sampling import V, chi2_pvalue, exact_two_token_distribution
+from sampling_reference import chi2_pvalue, exact_two_token_distribution
+from test_sampling import V
 from tiny import tiny_lm, tiny_tokenizer
 
 from drafttrain.data.generation import cache_key, cut_at_eos, generate_responses, left_pad
@@ -77,9 +78,9 @@ def test_sampled_rows_follow_the_target_distribution(temperature, top_p):
     counts = {}
     for row in rows:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-    assert chi2_pvalue(counts, exact_two_token_distribution(target, prompt, temperature, top_p), n) > 1e-3
+    assert chi2_pvalue(counts, exact_two_token_distribution(target, prompt, temperature, top_p, V), n) > 1e-3
     # Power: the same samples reject the distribution at another temperature.
-    assert chi2_pvalue(counts, exact_two_token_distribution(target, prompt, temperature * 2, top_p), n) < 1e-6
+    assert chi2_pvalue(counts, exact_two_token_distribution(target, prompt, temperature * 2, top_p, V), n) < 1e-6
     g2 = torch.Generator().manual_seed(7)
     again, _, _ = gen.generate(ids, mask, max_new_tokens=2, eos_token_ids=[], temperature=temperature, top_p=top_p,
                                generator=g2)

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 from engines import ENGINES, on_engine, ready
-from test_sampling import V, chi2_pvalue, exact_two_token_distribution
+from sampling_reference import chi2_pvalue, exact_two_token_distribution
+from test_sampling import V
 from tiny import greedy_reference, tiny_lm
 
 from drafttrain.decoding.medusa import MedusaDecoder
@@ -235,7 +236,7 @@ def far_heads(target, num_heads, seed=3):
 def test_sampled_text_follows_target_distribution(temperature, top_p, prompt, engine):
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)
     heads = far_heads(target, 2)
-    exact = exact_two_token_distribution(target, prompt, temperature, top_p)
+    exact = exact_two_token_distribution(target, prompt, temperature, top_p, V)
     g = torch.Generator().manual_seed(1234)
     decoder = MedusaDecoder(on_engine(target, engine), heads, temperature=temperature, top_p=top_p, generator=g)
     assert decoder.num_draft_tokens == 2

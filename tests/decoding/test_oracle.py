@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engines import on_engine
-from test_sampling import chi2_pvalue
+from sampling_reference import chi2_pvalue
 from tiny import greedy_reference, tiny_lm
 
 from drafttrain.decoding import OracleProposer, SpeculativeDecoder

@@ -60,6 +60,8 @@ def test_loss_and_accuracy_equal_a_brute_force_loop(setup):
     logits = draft(draft.target_features(hs), batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], num_steps=STEPS, logits_from=start)
     teacher = teacher_logits_from_hidden(hs[-1][:, start:], target.lm_head.weight, draft.draft_target_ids)
+    rows = target.lm_head.weight[draft.draft_target_ids]  # the recipe picks the rows once per run
+    assert torch.equal(teacher_logits_from_hidden(hs[-1][:, start:], rows), teacher)
     target_ids = next_tokens(batch["input_ids"], start)
     out = eagle3_loss(logits, teacher, batch["loss_mask"][:, start:], batch["attention_mask"][:, start:],
                       target_ids, draft.d2t, draft.t2d, decay=DECAY)

@@ -101,19 +101,27 @@ def test_features_kept_in_memory_resume_exactly(setup, tmp_path, capsys):
 
 @pytest.mark.parametrize("override, needle", [("loss.ttt_steps=0", "loss.ttt_steps"),
                                               ("draft.aux_layer_ids=[1,1,2]", "aux_layer_ids"),
-                                              ("loss.teacher=topk", "data.store_topk")])
+                                              ("loss.teacher=topk", "data.store_topk"),
+                                              ("features.shard_target=true", "ZeRO-3 launch"),
+                                              ("features.shard_target=true features.keep_in_memory=true",
+                                               "features.keep_in_memory=false")])
 def test_bad_config_is_one_error_line(setup, tmp_path, capsys, override, needle):
     capsys.readouterr()
-    assert eagle3_recipe.main(args(setup, tmp_path / "run", override)) == 2
+    assert eagle3_recipe.main(args(setup, tmp_path / "run", *override.split())) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch_config", ["ddp.yaml", "deepspeed_zero3.yaml"])
-def test_two_processes_end_with_the_weights_of_one(setup, tmp_path, launch_config):
-    common = ["train.max_steps=6", "train.micro_batch_size=2", "train.eval_every=0", "train.checkpoint_every=3",
-              "train.keep_best=false", "eval.num_prompts=2"]
+@pytest.mark.parametrize("launch_config, shard", [("ddp.yaml", False), ("deepspeed_zero3.yaml", False),
+                                                  ("deepspeed_zero3.yaml", True)])
+def test_two_processes_end_with_the_weights_of_one(setup, tmp_path, launch_config, shard):
+    """Two ranks train the same draft as one process with twice the accumulation; with the target
+    itself sharded (ZeRO-3, features.shard_target) too, its features and evaluations included."""
+    common = ["train.max_steps=6", "train.micro_batch_size=2", "train.checkpoint_every=3", "eval.num_prompts=2",
+              # sharded: evaluations at steps 0, 3, 6 on every rank, and best/ handed from the main rank to all
+              *(["train.eval_every=3", "train.keep_best=true"] if shard else ["train.eval_every=0",
+                                                                             "train.keep_best=false"])]
     one, two = tmp_path / "one", tmp_path / "two"
     script = str(REPO / "recipes" / "train_eagle3.py")
     run = subprocess.run([sys.executable, script, *args(setup, one, *common, "train.gradient_accumulation_steps=2")],
@@ -121,9 +129,19 @@ def test_two_processes_end_with_the_weights_of_one(setup, tmp_path, launch_confi
     assert run.returncode == 0, run.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                           str(REPO / "recipes" / "accelerate" / launch_config), "--num_processes", "2",
-                          "--main_process_port", str(free_port()), script, *args(setup, two, *common)],
+                          "--main_process_port", str(free_port()), script,
+                          *args(setup, two, *common, f"features.shard_target={str(shard).lower()}")],
                          capture_output=True, text=True, env=subprocess_env(), timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert ("the target is sharded across 2 ranks (each holds 50%" in run.stdout) == shard, run.stdout[-2000:]
+    def evals(out):
+        return [(e["step"], e["tau"], e["best_step"]) for e in map(json.loads, (out / "train_log.jsonl").open())
+                if e["type"] == "eval"]
+
+    assert evals(two) == evals(one) and len(evals(one)) == (3 if shard else 1)
+    for name in ("initial", "final", "final_dynamic"):  # every rank decoded, the same numbers as one process
+        assert json.loads((two / "eval" / f"{name}.json").read_text())["tau"] == \
+            json.loads((one / "eval" / f"{name}.json").read_text())["tau"], name
     a, b = [load_file(str(d / "final" / "model.safetensors")) for d in (one, two)]
     assert a.keys() == b.keys()
     for name in a:
