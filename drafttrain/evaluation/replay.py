@@ -26,19 +26,23 @@ from ..prompts import encode_prompt, read_prompts
 from .config import DTYPE_CHOICES, option, validate_choices
 
 
-def chain_steps(matches: list[bool], num_draft_tokens: int, max_new_tokens: int,
+def chain_steps(matches: list[bool] | list[list[bool]], num_draft_tokens: int, max_new_tokens: int,
                 ended_at_eos: bool) -> tuple[list[int], list[int]]:
-    """(accepted, proposed) draft tokens per verification step, given whether the draft's greedy
-    token matches the target's at each of the target's len(matches) output positions.
+    """(accepted, proposed) draft tokens per verification step over the target's len(matches)
+    output tokens. `matches[i]`: whether a draft LM's greedy token at output position i equals
+    the target's (its guess there does not depend on where the step began); or, for EAGLE-3,
+    whose draft j of a step is unroll step j, a list: `matches[t][j]` for the step that begins at
+    output position t (empty where that step cannot draft).
 
     Mirrors the decoder: K' = min(K, tokens left - 1) drafts per step, the accepted prefix plus one
     target token emitted, nothing past the end. When the output ended at an EOS, the last step's
     drafts past that EOS were never in play and are not counted as proposed."""
+    grid = bool(matches) and isinstance(matches[0], list)
     accepted, proposed, t, n = [], [], 0, len(matches)
     while t < n:
-        k = min(num_draft_tokens, max_new_tokens - t - 1)
+        k = min(num_draft_tokens, max_new_tokens - t - 1, len(matches[t]) if grid else num_draft_tokens)
         a = 0
-        while a < k and t + a < n and matches[t + a]:
+        while a < k and t + a < n and (matches[t][a] if grid else matches[t + a]):
             a += 1
         emitted = min(a + 1, n - t)
         accepted.append(min(a, emitted))
@@ -64,12 +68,45 @@ def draft_matches(draft, prompt: list[int], target_tokens: list[int]) -> list[bo
     return [p == t for p, t in zip(logits.argmax(-1).tolist(), target_tokens)]
 
 
+@torch.no_grad()
+def eagle3_matches(draft, target, prompt: list[int], target_tokens: list[int], num_draft_tokens: int
+                   ) -> list[list[bool]]:
+    """`chain_steps`' grid for an EAGLE-3 draft (target's embedding attached), from ONE target
+    forward and ONE K-step unroll over (prompt + the target's greedy output).
+
+    A step that begins with t output tokens emitted (sequence length c = P + t, the draft's cache
+    holding indices 0..c-2) drafts its token j with unroll step j at index c - 2: step 0 reads the
+    target's features there and the pending token, step j >= 1 its own previous hidden state and
+    the next token of the sequence, which IS its own previous draft whenever that was accepted
+    (and after a rejection nothing later counts). A one-token prompt's first step has no index to
+    draft from: it proposes nothing, as the decoder does."""
+    if not target_tokens:
+        return []
+    sequence = list(prompt) + list(target_tokens)
+    device = next(draft.parameters()).device
+    ids = torch.tensor([sequence], dtype=torch.long, device=device)
+    hidden_states = target(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+    first = max(len(prompt) - 2, 0)  # the first index a step drafts from
+    k = max(num_draft_tokens, 1)
+    logits = draft(draft.target_features(hidden_states), ids, num_steps=k, logits_from=first)
+    guesses = draft.to_target_ids(logits[:, 0].argmax(-1)).T.tolist()  # [index - first][step]
+    rows = []
+    for t in range(len(target_tokens)):
+        c = len(prompt) + t
+        rows.append([] if c < 2 else [c + j < len(sequence) and guesses[c - 2 - first][j] == sequence[c + j]
+                                      for j in range(k)])
+    return rows
+
+
 def teacher_forced_steps(draft, prompt: list[int], target_tokens: list[int], *, num_draft_tokens: int,
-                         max_new_tokens: int) -> tuple[list[int], list[int]]:
+                         max_new_tokens: int, target=None) -> tuple[list[int], list[int]]:
     """(accepted, proposed) lengths of greedy chain decoding with `draft`, where `target_tokens`
-    is the target's greedy output for `prompt` (e.g. `baseline_token_ids` of outputs.jsonl)."""
+    is the target's greedy output for `prompt` (e.g. `baseline_token_ids` of outputs.jsonl).
+    `draft`: a draft LM, or an EAGLE-3 draft with its `target` (which it reads features from)."""
     ended_at_eos = len(target_tokens) < max_new_tokens
-    return chain_steps(draft_matches(draft, prompt, target_tokens), num_draft_tokens, max_new_tokens, ended_at_eos)
+    matches = (draft_matches(draft, prompt, target_tokens) if target is None
+               else eagle3_matches(draft, target, prompt, target_tokens, num_draft_tokens))
+    return chain_steps(matches, num_draft_tokens, max_new_tokens, ended_at_eos)
 
 
 def teacher_forced_accepted_lengths(draft, prompt: list[int], target_tokens: list[int], *,
@@ -95,7 +132,8 @@ class ReplayConfig:
     prompts: list[str] = option(doc="The prompt file(s) the report ran (SPEC §1); repeat for several.",
                                 metavar="FILE")
     outputs: str = option(doc="A greedy report's outputs.jsonl (REPORT/outputs.jsonl).", metavar="FILE")
-    draft: list[str] = option(doc="A draft model to replay, as NAME=DIR; repeat for several.", metavar="NAME=DIR")
+    draft: list[str] = option(doc="A draft to replay: NAME=DIR (a draft LM) or NAME=eagle3:DIR (an EAGLE-3 draft, "
+                                  "which also loads the target); repeat for several.", metavar="NAME=DIR")
     num_draft_tokens: int = option(NUM_DRAFT_TOKENS, "K: draft tokens per verification step.", metavar="K")
     max_new_tokens: int | None = option(None, "The report's --max-new-tokens (unset: read from the report.json "
                                         "beside --outputs).", metavar="N")
@@ -167,11 +205,14 @@ def read_outputs(path: str) -> tuple[dict[str, list[int]], dict]:
     return outputs, report
 
 
-def parse_draft(spec: str) -> tuple[str, str]:
+def parse_draft(spec: str) -> tuple[str, str, str]:
+    """NAME=DIR or NAME=eagle3:DIR -> (name, kind "lm" or "eagle3", directory)."""
     name, sep, path = spec.partition("=")
+    kind = "eagle3" if path.startswith("eagle3:") else "lm"
+    path = path.removeprefix("eagle3:")
     if not sep or not name or not path:
-        raise UserError(f"--draft {spec!r}: write NAME=DIR")
-    return name, path
+        raise UserError(f"--draft {spec!r}: write NAME=DIR or NAME=eagle3:DIR")
+    return name, kind, path
 
 
 def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
@@ -200,17 +241,27 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
     tokenizer = load_tokenizer(cfg.target, "target")
     prompts = [(encode_prompt(r, tokenizer), outputs[str(r.id)]) for r in records]
     results = []
-    for name, path in drafts:
-        what = f"draft {name!r}"
-        difference = first_vocab_difference(tokenizer.get_vocab(), load_tokenizer(path, what).get_vocab())
-        if difference:
-            raise UserError(f"{what} and the target disagree on token ids ({difference}); use a draft trained with "
-                            "the target's tokenizer")
-        draft = load_causal_lm(path, dtype, device, what)
+    target = None  # loaded for the first EAGLE-3 draft: it reads the target's features
+    for name, kind, path in drafts:
+        what = f"{'EAGLE-3 ' if kind == 'eagle3' else ''}draft {name!r}"
+        if kind == "eagle3":
+            from ..eagle3.export import load_eagle3
+            from .run import require_finite
+
+            target = target or load_causal_lm(cfg.target, dtype, device, "target")
+            draft, _ = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)
+            require_finite(draft, what, path)
+            draft.attach_embeddings(target.get_input_embeddings()).eval()
+        else:
+            difference = first_vocab_difference(tokenizer.get_vocab(), load_tokenizer(path, what).get_vocab())
+            if difference:
+                raise UserError(f"{what} and the target disagree on token ids ({difference}); use a draft trained "
+                                "with the target's tokenizer")
+            draft = load_causal_lm(path, dtype, device, what)
         result = ReplayResult(name, cfg.num_draft_tokens, max_new)
         for ids, out in tqdm(prompts, desc=name, unit="prompt", disable=not progress):
             acc, prop = teacher_forced_steps(draft, ids, out, num_draft_tokens=cfg.num_draft_tokens,
-                                             max_new_tokens=max_new)
+                                             max_new_tokens=max_new, target=target if kind == "eagle3" else None)
             result.tokens.append(len(out))
             result.accepted.append(acc)
             result.proposed.append(prop)

@@ -84,3 +84,24 @@ def test_damaged_or_foreign_eagle3_is_one_error_line(files, tmp_path, capsys):
         assert code == 2 and len(err) == 1 and err[0].startswith("error:"), err
         assert all(w in err[0] for w in words), err[0]
         assert not (tmp_path / "out").exists()
+
+
+def test_replay_reproduces_a_chain_reports_steps(files, tmp_path):
+    """`drafttrain replay --draft NAME=eagle3:DIR`: one target forward and one unroll per prompt
+    give the chain decoder's accepted and proposed lengths, step for step."""
+    from drafttrain.evaluation.replay import ReplayConfig, run_replay
+
+    root, _ = files
+    run(["eval", "--target", str(root / "target"), "--eagle3", str(root / "eagle3"), "--prompts",
+         str(root / "p.jsonl"), "--max-new-tokens", str(MAX_NEW), "--dtype", "float64", "--num-draft-tokens", "3",
+         "--tree", "chain", "--out", str(tmp_path / "out"), "--quiet"])
+    rows = [json.loads(line) for line in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
+    cfg = ReplayConfig(target=str(root / "target"), prompts=[str(root / "p.jsonl")],
+                       outputs=str(tmp_path / "out" / "outputs.jsonl"), draft=[f"e3=eagle3:{root / 'eagle3'}"],
+                       num_draft_tokens=3, dtype="float64")
+    (result,) = run_replay(cfg, progress=False)
+    assert result.accepted == [r["accepted_lengths"] for r in rows]
+    assert result.proposed == [r["proposed_lengths"] for r in rows]
+    assert len({a for r in rows for a in r["accepted_lengths"]}) >= 3  # not vacuous: several lengths occurred
+    overall = json.loads((tmp_path / "out" / "report.json").read_text())["overall"]
+    assert result.tau == pytest.approx(overall["mean_accepted_length"], abs=1e-12)

@@ -1,5 +1,6 @@
-"""Teacher-forced acceptance against a brute-force greedy chain decoder built on the draft's
-decode-time path (prefill / rollback / step), which must also reproduce the target's output."""
+"""EAGLE-3 replay (`evaluation.replay`, teacher-forced acceptance) against a brute-force greedy
+chain decoder built on the draft's decode-time path (prefill / rollback / step), which must also
+reproduce the target's output, and against the real chain decoder, EOS endings included."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from drafttrain.eagle3.model import Eagle3KVCache
-from drafttrain.eagle3.replay import teacher_forced_accepted_lengths
+from drafttrain.decoding.eagle3 import Eagle3Decoder
+from drafttrain.evaluation.replay import teacher_forced_steps
 from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft
 from tiny import greedy_reference
 
@@ -65,8 +67,8 @@ def test_replay_equals_a_step_by_step_greedy_chain_decoder(trained_pair, k):
         with torch.no_grad():
             tokens, lengths = greedy_chain_decode(target, draft, prompt, k, max_new)
             assert tokens == greedy_reference(target, prompt, max_new, eos=EOS)  # lossless
-            replayed = teacher_forced_accepted_lengths(draft, target, prompt, tokens, num_draft_tokens=k,
-                                                       max_new_tokens=max_new)
+            replayed, _ = teacher_forced_steps(draft, prompt, tokens, num_draft_tokens=k, max_new_tokens=max_new,
+                                               target=target)
         assert replayed == lengths, (prompt, max_new)
         seen.update(lengths)
     assert len(seen) >= min(k, 2) + 1  # the check is not vacuous: several acceptance lengths occurred
@@ -78,8 +80,26 @@ def test_a_trained_draft_is_accepted_more_than_an_untrained_one(trained_pair):
     prompt = [5, 17, 33]
     tokens = greedy_reference(target, prompt, 24, eos=EOS)
     with torch.no_grad():
-        trained = sum(teacher_forced_accepted_lengths(draft, target, prompt, tokens, num_draft_tokens=4,
-                                                      max_new_tokens=24))
-        random = sum(teacher_forced_accepted_lengths(untrained, target, prompt, tokens, num_draft_tokens=4,
-                                                     max_new_tokens=24))
+        trained = sum(teacher_forced_steps(draft, prompt, tokens, num_draft_tokens=4, max_new_tokens=24,
+                                           target=target)[0])
+        random = sum(teacher_forced_steps(untrained, prompt, tokens, num_draft_tokens=4, max_new_tokens=24,
+                                          target=target)[0])
     assert trained > random
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_replay_equals_the_chain_decoders_accepted_and_proposed_lengths(trained_pair, k):
+    target, draft = trained_pair
+    g = torch.Generator().manual_seed(7 + k)
+    ended_early = 0
+    for trial in range(6):
+        prompt = torch.randint(3, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        max_new = [24, 9][trial % 2]
+        real = Eagle3Decoder(target, draft, num_draft_tokens=k, tree="chain", eos_token_ids={EOS}).generate(prompt,
+                                                                                                            max_new)
+        assert real.tokens == greedy_reference(target, prompt, max_new, eos=EOS)
+        accepted, proposed = teacher_forced_steps(draft, prompt, real.tokens, num_draft_tokens=k,
+                                                  max_new_tokens=max_new, target=target)
+        assert (accepted, proposed) == (real.accepted_lengths, real.proposed_lengths), (prompt, max_new)
+        ended_early += len(real.tokens) < max_new
+    assert ended_early  # an EOS ended some outputs: the drafts past it are not counted
