@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ..eagle3.model import DraftStep, Eagle3Draft, Eagle3KVCache
+from ..eagle3.model import DraftStep, Eagle3Draft
 from ..heads.tree import Path, check_paths
+from .eagle3_engine import Eagle3Engine, as_draft_engine
 from .engine import as_cached_lm
+from .static import StaticLM
 from .lm import device_tensor
 from .proposers import Proposer
 from .sampling import probabilities, sample
@@ -34,12 +36,14 @@ from .tree_decoder import TreeDecoder, TreeDrafter
 
 
 class Eagle3State:
-    """The draft's cache, kept one entry per cached target position, and its last output."""
+    """The draft's cache, kept one entry per cached target position, and its last output.
+    `draft`: an Eagle3Draft (eager engine) or an `Eagle3Engine`."""
 
-    def __init__(self, draft: Eagle3Draft, device):
-        self.draft = draft
+    def __init__(self, draft: Eagle3Draft | Eagle3Engine, device):
+        self.engine = as_draft_engine(draft)
+        self.draft = self.engine.draft
         self.device = torch.device(device)
-        self.cache = Eagle3KVCache()
+        self.cache = self.engine.cache
         self.last: DraftStep | None = None  # output at the last cached position: predicts the token after pending
 
     @property
@@ -63,7 +67,7 @@ class Eagle3State:
         n = len(next_tokens)
         tokens = device_tensor(next_tokens, self.device).view(1, n)
         positions = torch.arange(start, start + n, device=self.device).view(1, n)
-        self.last = self.draft.prefill(self.cache, hidden.view(1, n, -1), tokens, positions)
+        self.last = self.engine.prefill(hidden.view(1, n, -1), tokens, positions)
 
     def commit(self, committed: int, hidden: torch.Tensor, next_tokens: list[int]) -> None:
         """After a verification: forget the drafted entries, feed the kept positions' features."""
@@ -73,7 +77,7 @@ class Eagle3State:
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              tree_mask: torch.Tensor | None = None) -> DraftStep:
         with torch.inference_mode():
-            return self.draft.step(self.cache, hidden, tokens, positions, tree_mask=tree_mask)
+            return self.engine.step(hidden, tokens, positions, tree_mask=tree_mask)
 
 
 class Eagle3Proposer(Proposer):
@@ -119,6 +123,9 @@ class Eagle3Proposer(Proposer):
     def commit(self, n_accepted, emitted, hidden=None):
         self.state.commit(self.committed, hidden, emitted)
         self.committed = self.state.length
+
+    def warmup(self) -> float:
+        return self.state.engine.warmup([(1, 1)])  # every chain drafting step is one token
 
 
 class Eagle3TreeDrafter(TreeDrafter):
@@ -168,6 +175,23 @@ class Eagle3TreeDrafter(TreeDrafter):
     def commit(self, nodes, accepted, bonus, hidden=None):
         self.state.commit(self.committed, hidden, list(accepted) + [bonus])
         self.committed = self.state.length
+
+    def level_shapes(self) -> list[tuple[int, int]]:
+        """(nodes expanded, tree entries so far) of each drafting forward of a full-depth pass:
+        the shapes the static engine compiles."""
+        if self.buffers is None:  # the dynamic tree expands `topk` nodes at every depth but the last
+            return [(self.topk, d * self.topk) for d in range(1, self.depth)]
+        depths, parents = self.buffers.depths.tolist(), self.buffers.parent.tolist()
+        shapes, expanded = [], 0
+        for d in range(1, self.depth):
+            n = len({parents[c] for c in range(1, len(depths)) if depths[c] == d + 1})
+            if n:
+                expanded += n
+                shapes.append((n, expanded))
+        return shapes
+
+    def warmup(self) -> float:
+        return self.state.engine.warmup(self.level_shapes())
 
     def draft(self, root, depth):
         last = self.state.last
@@ -278,6 +302,9 @@ def Eagle3Decoder(target, draft: Eagle3Draft, *, num_draft_tokens: int, tree: st
     sampling), "dynamic" (EAGLE-2, `tree_nodes` nodes, K deep, expanding `tree_topk` nodes per
     depth), or a static tree as Medusa paths. `target`: a cached LM or an HF model."""
     lm = as_cached_lm(target)
+    if isinstance(lm, StaticLM) and not isinstance(draft, Eagle3Engine):
+        draft = draft_engine_for(lm, draft, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
+                                 tree_topk=tree_topk)
     if temperature > 0 or tree == "chain":
         proposer = Eagle3Proposer(draft, lm.device, temperature, top_p, generator)
         return SpeculativeDecoder(lm, proposer, num_draft_tokens=num_draft_tokens, temperature=temperature,
@@ -290,4 +317,15 @@ def Eagle3Decoder(target, draft: Eagle3Draft, *, num_draft_tokens: int, tree: st
     return TreeDecoder(lm, drafter, eos_token_ids=eos_token_ids, record_margins=record_margins)
 
 
-__all__ = ["Eagle3Decoder", "Eagle3Proposer", "Eagle3State", "Eagle3TreeDrafter"]
+def draft_engine_for(target_lm, draft: Eagle3Draft, *, num_draft_tokens: int, tree_nodes: int = 0,
+                     tree_topk: int = 0, compile: bool | None = None) -> Eagle3Engine:
+    """The draft on the target's engine: static beside a static target (compiled with it), with
+    room for the target's cache plus the most entries one drafting pass adds (a bound for any tree)."""
+    if not isinstance(target_lm, StaticLM):
+        return Eagle3Engine(draft)
+    extra = num_draft_tokens + max(tree_nodes, 0) + num_draft_tokens * max(tree_topk, 0)
+    return Eagle3Engine(draft, "static", capacity=target_lm.capacity + extra,
+                        compile=target_lm.compile if compile is None else compile)
+
+
+__all__ = ["Eagle3Decoder", "Eagle3Proposer", "Eagle3State", "Eagle3TreeDrafter", "draft_engine_for"]

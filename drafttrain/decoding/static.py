@@ -316,11 +316,12 @@ class StaticLM(CachedLM):
                 _raise_compile_limits()
                 self._move = torch.compile(functools.partial(move_entries, self.cache), fullgraph=True, dynamic=False,
                                            mode="reduce-overhead" if self.cudagraphs else None)
-            index = torch.arange(keep_width, device=self.device)
+            src = torch.arange(keep_width, device=self.device)
+            dst = src.clone()  # two tensors, as keep() passes: the same one twice compiles an aliasing guard
             for _ in range(3):
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                self._move(index, index)
+                self._move(src, dst)
             self.keep_width = keep_width
         self.sizes = sorted(set(self.sizes) | set(sizes))
         self.reset()

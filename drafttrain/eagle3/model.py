@@ -303,6 +303,59 @@ class Eagle3KVCache:
             self.valid = torch.cat([self.valid, valid.bool()], dim=1)
 
 
+class Eagle3StaticCache(nn.Module):
+    """The draft layer's cache preallocated for `capacity` entries ([B, kv_heads, capacity, d] and
+    valid [B, capacity]), written in place, with Eagle3KVCache's bookkeeping (length, rollback,
+    keep). Entries past `length` are stale and never read: every mask stops at the written ones.
+    Fixed shapes and addresses are what lets one compiled step serve every length
+    (`Eagle3Draft.step_in_place`; CUDA graphs replay in place)."""
+
+    def __init__(self, config: "Eagle3Config", capacity: int, *, batch_size: int = 1, device=None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
+        self.register_buffer("keys", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("values", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("valid", torch.zeros(batch_size, capacity, dtype=torch.bool, device=device),
+                             persistent=False)
+        for t in (self.keys, self.values, self.valid):
+            torch._dynamo.mark_static_address(t)
+        self.capacity = capacity
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def check_room(self, n: int) -> None:
+        if self.length + n > self.capacity:
+            raise ValueError(f"the draft's static cache holds {self.capacity} entries; {self.length} + {n} do not fit")
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a cache of {self.length} entries to {length}")
+        self.length = length
+
+    @torch.no_grad()
+    def keep(self, past_len: int, nodes) -> None:
+        nodes = torch.as_tensor(nodes, dtype=torch.long, device=self.keys.device)
+        if not 0 <= past_len <= self.length or (nodes.numel() and not 0 <= int(nodes.min()) <= int(nodes.max()) < self.length - past_len):
+            raise ValueError(f"keep({past_len}, {nodes.tolist()}) is outside a cache of {self.length} entries")
+        src, dst = past_len + nodes, torch.arange(past_len, past_len + nodes.numel(), device=nodes.device)
+        for t, dim in ((self.keys, 2), (self.values, 2), (self.valid, 1)):
+            t.index_copy_(dim, dst, t.index_select(dim, src))
+        self.length = past_len + nodes.numel()
+
+    @torch.no_grad()
+    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        n = keys.shape[2]
+        self.check_room(n)
+        slots = torch.arange(self.length, self.length + n, device=self.keys.device)
+        self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
+        self.values.index_copy_(2, slots, values.to(self.values.dtype))
+        self.valid[:, slots] = True if valid is None else valid.bool()
+        self.length += n
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -490,9 +543,9 @@ class Eagle3Draft(nn.Module):
         k, v = attn.keys_values(x, cos, sin)
         past = cache.length
         cache.append(k, v, attention_mask)
-        S = cache.length
+        S, W = cache.length, cache.keys.shape[2]  # W > S: a static cache's unwritten tail, never visible
         new = torch.arange(past, S, device=k.device)[:, None]
-        key = torch.arange(S, device=k.device)[None, :]
+        key = torch.arange(W, device=k.device)[None, :]
         if tree_mask is None:
             visible = ((key <= new) & cache.valid[:, None, :]) | (key == new)
         else:
@@ -500,6 +553,32 @@ class Eagle3Draft(nn.Module):
             if not n <= m <= S:
                 raise ValueError(f"tree_mask covers {m} entries; it needs the {n} new nodes and at most the {S} cached")
             prefix = cache.valid[:, None, :S - m].expand(B, n, S - m)
-            visible = torch.cat([prefix, tree_mask.to(torch.bool).expand(B, n, m)], dim=-1)
+            tail = torch.zeros(B, n, W - S, dtype=torch.bool, device=k.device)
+            visible = torch.cat([prefix, tree_mask.to(torch.bool).expand(B, n, m), tail], dim=-1)
         h = layer.finish(h_in, attend(attn.queries(x, cos, sin), cache.keys, cache.values, visible))
         return DraftStep(self.compute_logits(h), h)
+
+    def step_in_place(self, cache: Eagle3StaticCache, hidden: torch.Tensor, tokens: torch.Tensor,
+                      positions: torch.Tensor, tree_start: torch.Tensor, tree_mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` on a static cache with every length a tensor, so it compiles to one graph per
+        (n, m) whatever the cache holds. The n new entries are the last of the m tree entries
+        starting at slot `tree_start` (0-d); each sees the valid entries before `tree_start` and
+        the tree entries `tree_mask` [n, m] allows. A chain step is a tree of one node: n = m = 1,
+        tree_mask [[True]]. Returns (logits, hidden) [B, n, ...]; the caller moves `cache.length`."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        n, m = tokens.shape[1], tree_mask.shape[-1]
+        x = layer.attention_input(self.embed(tokens), hidden)
+        cos, sin = self._rope(x, positions)
+        k, v = attn.keys_values(x, cos, sin)
+        slots = tree_start + (m - n) + torch.arange(n, device=tokens.device)
+        cache.keys.index_copy_(2, slots, k.to(cache.keys.dtype))
+        cache.values.index_copy_(2, slots, v.to(cache.values.dtype))
+        cache.valid.index_fill_(1, slots, True)
+        key = torch.arange(cache.keys.shape[2], device=tokens.device)
+        rel = key - tree_start
+        in_tree = (rel >= 0) & (rel < m)
+        tree_part = tree_mask.to(torch.bool)[:, rel.clamp(0, m - 1)] & in_tree  # [n, W]
+        visible = ((key < tree_start) & cache.valid)[:, None, :] | tree_part
+        h = layer.finish(hidden, attend(attn.queries(x, cos, sin), cache.keys, cache.values, visible))
+        return self.compute_logits(h), h

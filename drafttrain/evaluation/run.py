@@ -24,7 +24,8 @@ from .. import __version__
 from ..decoding import (CachedLM, DraftModelProposer, Generation, NgramProposer, NoProposer, SpeculativeDecoder,
                         as_cached_lm, cached_lm)
 from ..decoding.lm import device_tensor
-from ..decoding.eagle3 import Eagle3Decoder, Eagle3State
+from ..decoding.eagle3 import Eagle3Decoder, Eagle3State, draft_engine_for
+from ..decoding.eagle3_engine import Eagle3Engine
 from ..decoding.medusa import MedusaDecoder
 from ..eagle3.export import load_eagle3
 from ..eagle3.model import Eagle3Draft
@@ -56,6 +57,7 @@ class LoadedModels:
     eagle3_info: dict = field(default_factory=dict)
     target_lm: CachedLM | None = None  # the engine-bound models (`bind_engine`), shared by every decoder
     draft_lm: CachedLM | None = None
+    eagle3_engine: Eagle3Engine | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -161,6 +163,9 @@ def bind_engine(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: lis
         m.target_lm = target_lm
         if m.draft is not None:
             m.draft_lm = cached_lm(m.draft, cfg.engine, max_length=max_length)
+        if m.eagle3 is not None:  # the draft layer follows the target: static (compiled) beside static
+            m.eagle3_engine = draft_engine_for(target_lm, m.eagle3, num_draft_tokens=cfg.num_draft_tokens,
+                                               tree_nodes=cfg.tree_nodes, tree_topk=cfg.tree_topk)
     return target_lm.engine
 
 
@@ -180,10 +185,10 @@ def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = Fals
                              temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=models.eos,
                              generator=generator)
     if name == "eagle3":
-        return Eagle3Decoder(target, models.eagle3, num_draft_tokens=cfg.num_draft_tokens, tree=eagle3_tree(cfg)[1],
-                             tree_nodes=cfg.tree_nodes, tree_topk=cfg.tree_topk, temperature=cfg.temperature,
-                             top_p=cfg.top_p, eos_token_ids=models.eos, generator=generator,
-                             record_margins=record_margins)
+        return Eagle3Decoder(target, models.eagle3_engine or models.eagle3, num_draft_tokens=cfg.num_draft_tokens,
+                             tree=eagle3_tree(cfg)[1], tree_nodes=cfg.tree_nodes, tree_topk=cfg.tree_topk,
+                             temperature=cfg.temperature, top_p=cfg.top_p, eos_token_ids=models.eos,
+                             generator=generator, record_margins=record_margins)
     if name == "draft":
         proposer = DraftModelProposer(models.draft_lm or models.draft, output_vocab_size(models.target),
                                       cfg.temperature, cfg.top_p, generator)
@@ -226,13 +231,17 @@ def single_token_seconds(lm: CachedLM, prompt: list[int], repeats: int = 10) -> 
     return median(times[2:])
 
 
-def eagle3_step_seconds(draft: Eagle3Draft, target_lm: CachedLM, prompt: list[int], repeats: int = 10) -> float:
+def eagle3_step_seconds(draft: Eagle3Draft | Eagle3Engine, target_lm: CachedLM, prompt: list[int],
+                        repeats: int = 10) -> float:
     """Median time of one EAGLE-3 chain drafting step (one token through the draft layer and its
-    head), after feeding the prompt's target features: the draft's share of a chain step."""
+    head, on the draft's engine), after feeding the prompt's target features: the draft's share
+    of a chain step."""
+    state = Eagle3State(draft, target_lm.device)
+    draft = state.draft
+    state.engine.warmup([(1, 1)])
     target_lm.reset()
     _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device),
                                   hidden_layers=tuple(draft.config.aux_layer_ids))
-    state = Eagle3State(draft, target_lm.device)
     state.reset(prompt, hidden)
     token = device_tensor(prompt[-1:], target_lm.device).view(1, 1)
     position = torch.full((1, 1), state.length, dtype=torch.long, device=target_lm.device)
@@ -359,7 +368,7 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                 r.baseline, r.baseline_seconds = baseline
                 rs.append(r)
 
-    lms = {id(lm): lm for m in models for lm in (m.target_lm, m.draft_lm) if lm is not None}
+    lms = {id(lm): lm for m in models for lm in (m.target_lm, m.draft_lm, m.eagle3_engine) if lm is not None}
     engine = {"requested": first.engine, "used": engine_used,
               "compile_seconds": sum(lm.compile_seconds for lm in lms.values()),
               "warmup_seconds": warmup_seconds}
@@ -381,7 +390,8 @@ def build_report(cfg: EvalConfig, models: LoadedModels, spec, results: list[Prom
             cost = (single_token_seconds(models.draft_lm or as_cached_lm(models.draft), probe.ids)
                     / single_token_seconds(target_lm, probe.ids))
         elif models.eagle3 is not None:
-            cost = eagle3_step_seconds(models.eagle3, target_lm, probe.ids) / single_token_seconds(target_lm, probe.ids)
+            cost = (eagle3_step_seconds(models.eagle3_engine or models.eagle3, target_lm, probe.ids)
+                    / single_token_seconds(target_lm, probe.ids))
     num = numerics(models.dtype_name)
     kwargs = {"cost_ratio": cost, "near_tie_tolerance": num["near_tie_tolerance"]}
     overall = compute_metrics(results, k, cfg.greedy, **kwargs)

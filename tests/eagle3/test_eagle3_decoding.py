@@ -5,7 +5,9 @@ brute-force EAGLE-2 expansion builds."""
 
 from __future__ import annotations
 
+import copy
 import math
+import shutil
 
 import pytest
 import torch
@@ -30,6 +32,8 @@ def test_greedy_equals_generate(trained_pair, tree, engine, k):
     target, draft = trained_pair
     decoder = ready(Eagle3Decoder(on_engine(target, engine), draft, num_draft_tokens=k, tree=TREES[tree],
                                   tree_nodes=12, tree_topk=3), engine)
+    state = (decoder.proposer if tree == "chain" else decoder.drafter).state
+    assert state.engine.engine == ("eager" if engine == "eager" else "static")  # the draft follows the target
     accepted = 0
     for prompt in PROMPTS:
         for eos in (None, EOS):
@@ -127,3 +131,31 @@ def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temp
     first = {x: sum(c for (a, _), c in counts.items() if a == x) for x in range(V)}
     assert sum(first[x] for x in outside) / n == pytest.approx(sum(p for (x, _), p in exact.items() if x in outside),
                                                                abs=4 / math.sqrt(n))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor needs a C++ compiler to build CPU kernels")
+def test_compiled_draft_steps_equal_generate_without_recompiling(trained_pair):
+    """The static draft engine compiled (inductor on CPU; CUDA graphs on CUDA): warm-up compiles
+    the chain's one-token step and each dynamic-tree level once, and decoding prompts of other
+    lengths, with rollbacks, never recompiles; the output stays the target's."""
+    import torch._dynamo
+
+    from drafttrain.decoding import cached_lm
+
+    target64, draft64 = trained_pair
+    target, draft = copy.deepcopy(target64).float(), copy.deepcopy(draft64).float()
+    draft.attach_embeddings(target.get_input_embeddings())
+    lm = cached_lm(target, "static", max_length=64, compile=True)
+    for tree in ("chain", "dynamic"):
+        decoder = Eagle3Decoder(lm, draft, num_draft_tokens=3, tree=tree, tree_nodes=10, tree_topk=2)
+        engine = (decoder.proposer if tree == "chain" else decoder.drafter).state.engine
+        assert engine.compile and engine.cache.capacity >= lm.capacity
+        assert decoder.warmup() > 0 and engine.compile_seconds > 0
+        accepted = []
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for prompt in PROMPTS:
+                gen = decoder.generate(prompt, 18)
+                assert gen.tokens == greedy_reference(target, prompt, 18)
+                accepted += gen.accepted_lengths
+        assert sum(accepted) > 0 and any(a < 3 for a in accepted)  # drafts accepted, and rolled back
