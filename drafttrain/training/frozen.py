@@ -66,7 +66,13 @@ def _zero3(model: nn.Module, device: torch.device) -> None:
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": dtype == torch.float16},
     }
-    engine, *_ = deepspeed.initialize(model=model.to(device), config=config)
+    # Partition parameter by parameter (each moved to the device, then cut): never the whole model on one GPU.
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
+    for module in model.modules():  # buffers (rotary tables) are not partitioned: each rank keeps them whole
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
     model.__dict__["_drafttrain_zero3_engine"] = engine  # not a submodule: no state dict, no recursion
 
 
