@@ -137,8 +137,8 @@ def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temp
                     reason="inductor needs a C++ compiler to build CPU kernels")
 def test_compiled_draft_steps_equal_generate_without_recompiling(trained_pair):
     """The static draft engine compiled (inductor on CPU; CUDA graphs on CUDA): warm-up compiles
-    the chain's one-token step and each dynamic-tree level once, and decoding prompts of other
-    lengths, with rollbacks, never recompiles; the output stays the target's."""
+    the chain's one-token step and each level of a dynamic and a static tree once, and decoding
+    prompts of other lengths, with rollbacks, never recompiles; the output stays the target's."""
     import torch._dynamo
 
     from drafttrain.decoding import cached_lm
@@ -147,7 +147,7 @@ def test_compiled_draft_steps_equal_generate_without_recompiling(trained_pair):
     target, draft = copy.deepcopy(target64).float(), copy.deepcopy(draft64).float()
     draft.attach_embeddings(target.get_input_embeddings())
     lm = cached_lm(target, "static", max_length=64, compile=True)
-    for tree in ("chain", "dynamic"):
+    for tree in ("chain", "dynamic", STATIC_TREE):
         decoder = Eagle3Decoder(lm, draft, num_draft_tokens=3, tree=tree, tree_nodes=10, tree_topk=2)
         engine = (decoder.proposer if tree == "chain" else decoder.drafter).state.engine
         assert engine.compile and engine.cache.capacity >= lm.capacity
