@@ -6,7 +6,9 @@ one entry per cached target position p, made from the target's features at p and
 p + 1 (`Eagle3Draft.prefill`). Its output at the last cached position predicts the token after
 `pending`, which is the first draft; the next drafts feed the draft's own output hidden state
 back with the token just drafted (`Eagle3Draft.step`). After a verification the drafted entries
-are dropped (`rollback`) and the target's features of the kept positions are fed instead.
+are dropped (`rollback`) and the target's features of the kept positions are fed instead. The
+draft's cache and steps live on an `Eagle3Engine` (`eagle3_engine.py`): eager, or static and
+compiled beside a static target.
 
 - Chain (`Eagle3Proposer`, any temperature): K drafts in a row. q is the draft's distribution
   over its reduced vocabulary mapped into the target's (tokens outside it have q = 0), and the
