@@ -20,8 +20,9 @@ A recipe (`recipes/distill.py`, `recipes/train_heads.py`, ...) is a `Recipe` sub
     cleanup()                                   (the lock is released)
 
 So a drafter kind writes its config sections, and five methods: load_models, build_trainable,
-loss, evaluate, export (final_evaluations if it measures more than `evaluate` does). Anything that fails before the output directory is
-started leaves no trace; every failure is one `error:` line and exit code 2 (`recipe_main`).
+loss, evaluate, export (final_evaluations if it measures more than `evaluate` does). Anything
+that fails before the output directory is started leaves no trace; every failure is one
+`error:` line and exit code 2 (`recipe_main`).
 """
 
 from __future__ import annotations
