@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..eagle3.model import DraftStep, Eagle3Draft, Eagle3KVCache, Eagle3StaticCache
+from .lm import device_tensor
 from .static import _raise_compile_limits
 
 
@@ -60,7 +61,7 @@ class Eagle3Engine:
         if not n <= m <= cache.length + n:
             raise ValueError(f"tree_mask covers {m} entries; it needs the {n} new nodes and at most the "
                              f"{cache.length + n} cached")
-        tree_start = torch.tensor(cache.length + n - m, device=self.device)
+        tree_start = device_tensor(cache.length + n - m, self.device)  # 0-d, without a host sync
         if self.compile:
             with torch.inference_mode():  # guards check strides and inference-ness: hand in fresh, standard inputs
                 inputs = [t.clone(memory_format=torch.contiguous_format)
