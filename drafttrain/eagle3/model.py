@@ -305,8 +305,9 @@ class Eagle3KVCache:
 
 class Eagle3StaticCache(nn.Module):
     """The draft layer's cache preallocated for `capacity` entries ([B, kv_heads, capacity, d] and
-    valid [B, capacity]), written in place, with Eagle3KVCache's bookkeeping (length, rollback,
-    keep). Entries past `length` are stale and never read: every mask stops at the written ones.
+    valid [B, capacity]), written in place, with Eagle3KVCache's bookkeeping (length, reset,
+    rollback; a decoder drops drafted entries by rollback and feeds the accepted ones anew).
+    Entries past `length` are stale and never read: every mask stops at the written ones.
     Fixed shapes and addresses are what lets one compiled step serve every length
     (`Eagle3Draft.step_in_place`; CUDA graphs replay in place)."""
 
@@ -334,16 +335,6 @@ class Eagle3StaticCache(nn.Module):
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back a cache of {self.length} entries to {length}")
         self.length = length
-
-    @torch.no_grad()
-    def keep(self, past_len: int, nodes) -> None:
-        nodes = torch.as_tensor(nodes, dtype=torch.long, device=self.keys.device)
-        if not 0 <= past_len <= self.length or (nodes.numel() and not 0 <= int(nodes.min()) <= int(nodes.max()) < self.length - past_len):
-            raise ValueError(f"keep({past_len}, {nodes.tolist()}) is outside a cache of {self.length} entries")
-        src, dst = past_len + nodes, torch.arange(past_len, past_len + nodes.numel(), device=nodes.device)
-        for t, dim in ((self.keys, 2), (self.values, 2), (self.valid, 1)):
-            t.index_copy_(dim, dst, t.index_select(dim, src))
-        self.length = past_len + nodes.numel()
 
     @torch.no_grad()
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -535,12 +526,16 @@ class Eagle3Draft(nn.Module):
         prefix, always visible."""
         return self._decode(cache, hidden, tokens, positions, None, tree_mask)
 
+    def _new_entries(self, h_in, tokens, positions):
+        """The attention input of new positions, their rotary tables and keys/values."""
+        x = self.midlayer.attention_input(self.embed(tokens), h_in)
+        cos, sin = self._rope(x, positions)
+        return (x, cos, sin, *self.midlayer.self_attn.keys_values(x, cos, sin))
+
     def _decode(self, cache, h_in, tokens, positions, attention_mask, tree_mask) -> DraftStep:
         layer, attn = self.midlayer, self.midlayer.self_attn
         B, n = tokens.shape
-        x = layer.attention_input(self.embed(tokens), h_in)
-        cos, sin = self._rope(x, positions)
-        k, v = attn.keys_values(x, cos, sin)
+        x, cos, sin, k, v = self._new_entries(h_in, tokens, positions)
         past = cache.length
         cache.append(k, v, attention_mask)
         S, W = cache.length, cache.keys.shape[2]  # W > S: a static cache's unwritten tail, never visible
@@ -568,9 +563,7 @@ class Eagle3Draft(nn.Module):
         tree_mask [[True]]. Returns (logits, hidden) [B, n, ...]; the caller moves `cache.length`."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         n, m = tokens.shape[1], tree_mask.shape[-1]
-        x = layer.attention_input(self.embed(tokens), hidden)
-        cos, sin = self._rope(x, positions)
-        k, v = attn.keys_values(x, cos, sin)
+        x, cos, sin, k, v = self._new_entries(hidden, tokens, positions)
         slots = tree_start + (m - n) + torch.arange(n, device=tokens.device)
         cache.keys.index_copy_(2, slots, k.to(cache.keys.dtype))
         cache.values.index_copy_(2, slots, v.to(cache.values.dtype))

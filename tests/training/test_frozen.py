@@ -44,7 +44,7 @@ def test_fsdp2_sharded_target_matches_the_whole_one(tmp_path):
     assert reports[0]["speculative"] == reports[1]["speculative"]
 
 
-def test_the_static_engine_declines_a_sharded_target(monkeypatch):
+def test_the_static_engine_declines_a_sharded_target():
     model = tiny_lm()
     next(model.parameters()).ds_id = 0  # what a ZeRO-3 partitioned parameter carries
     assert "sharded" in static_support(model)
