@@ -35,8 +35,7 @@ import torch
 from drafttrain.config import documented
 from drafttrain.data import DataConfig, onpolicy_batch, onpolicy_step, response_window
 from drafttrain.data.collate import DistillCollator
-from drafttrain.decoding import DraftModelProposer, SpeculativeDecoder
-from drafttrain.decoding.defaults import NUM_DRAFT_TOKENS
+from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings, Drafter
 from drafttrain.draft_init import draft_from_target
 from drafttrain.errors import UserError
 from drafttrain.export import export_draft
@@ -46,7 +45,7 @@ from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tok
 from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded
-from drafttrain.training.heldout import greedy_acceptance, table_row
+from drafttrain.training.acceptance import held_out_acceptance, table_row
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
 
 LossKind = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
@@ -245,8 +244,9 @@ class DistillRecipe(Recipe):
             return self.target(**inputs, logits_to_keep=keep).logits
 
     def evaluate(self, model) -> dict:
-        return acceptance(self.target, model, self.prompts, num_draft_tokens=self.config.eval.num_draft_tokens,
-                          max_new_tokens=self.config.eval.max_new_tokens, eos_token_ids=set(self.eos_ids))
+        e = self.config.eval
+        settings = DecodeSettings(num_draft_tokens=e.num_draft_tokens, eos_token_ids=frozenset(self.eos_ids))
+        return held_out_acceptance(self.target, Drafter("draft", model), self.prompts, settings, e.max_new_tokens)
 
     def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         cfg = self.config
@@ -268,14 +268,6 @@ class DistillRecipe(Recipe):
         source = cfg.draft.path or (f"the target's layers {cfg.draft.from_target_layers} = "
                                     f"{getattr(self.draft, 'source_layers', '?')}")
         return {"target": cfg.target, "draft initialised from": source, "recipe": f"drafttrain {self.script}"}
-
-
-def acceptance(target, draft, prompts, *, num_draft_tokens: int, max_new_tokens: int, eos_token_ids: set[int]) -> dict:
-    """Greedy speculative decoding of `prompts` with drafttrain's own decoder: tau and acceptance."""
-    proposer = DraftModelProposer(draft, output_vocab_size(target), temperature=0.0, top_p=1.0, generator=None)
-    decoder = SpeculativeDecoder(target, proposer, num_draft_tokens=num_draft_tokens, temperature=0.0,
-                                 eos_token_ids=eos_token_ids)
-    return greedy_acceptance(decoder, prompts, max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

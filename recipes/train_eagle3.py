@@ -37,8 +37,8 @@ from torch import nn
 from drafttrain.config import documented
 from drafttrain.data import DataConfig
 from drafttrain.data.collate import DistillCollator
-from drafttrain.decoding.defaults import NUM_DRAFT_TOKENS
-from drafttrain.decoding.eagle3 import Eagle3Decoder
+from drafttrain.decoding import NUM_DRAFT_TOKENS
+from drafttrain.decoding import DecodeSettings, Drafter
 from drafttrain.eagle3.export import save_eagle3
 from drafttrain.eagle3.features import TargetFeatures
 from drafttrain.eagle3.loss import (eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden,
@@ -48,7 +48,7 @@ from drafttrain.eagle3.vocab import build_draft_vocab
 from drafttrain.errors import UserError
 from drafttrain.models import DTYPES
 from drafttrain.tokens import output_vocab_size
-from drafttrain.training.heldout import greedy_acceptance, table_row
+from drafttrain.training.acceptance import held_out_acceptance, table_row
 from drafttrain.training.distributed import is_sharded
 from drafttrain.training.frozen import gathered
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
@@ -238,26 +238,23 @@ class Eagle3Recipe(Recipe):
         logs = {f"acc_{j}": acc for j, acc in enumerate(out.step_accuracy.nan_to_num(0.0).tolist())}
         return out.loss, {**logs, "coverage": out.coverage, "tokens": batch["loss_mask"].sum()}
 
-    def decoder(self, draft: Eagle3Draft, tree: str | None = None):
+    def acceptance(self, draft: Eagle3Draft, tree: str) -> dict:
+        """Held-out greedy acceptance of `draft` as a chain or a dynamic tree."""
         e = self.config.eval
         draft.attach_embeddings(self.embedding)
-        return Eagle3Decoder(self.target, draft, num_draft_tokens=e.num_draft_tokens, tree=tree or e.tree,
-                             tree_nodes=e.tree_nodes, tree_topk=e.tree_topk, eos_token_ids=set(self.eos_ids))
+        settings = DecodeSettings(num_draft_tokens=e.num_draft_tokens, eos_token_ids=frozenset(self.eos_ids),
+                                  tree=tree, tree_nodes=e.tree_nodes, tree_topk=e.tree_topk)
+        return held_out_acceptance(self.target, Drafter("eagle3", draft), self.prompts, settings, e.max_new_tokens,
+                                   extra={"tree": tree})
 
     def evaluate(self, model) -> dict:
-        decoder = self.decoder(model)
-        extra = {"tree": self.config.eval.tree}
-        if self.config.eval.tree == "dynamic":
-            extra["tree_nodes"] = decoder.num_tree_nodes
-        return greedy_acceptance(decoder, self.prompts, self.config.eval.max_new_tokens, extra=extra)
+        return self.acceptance(model, self.config.eval.tree)
 
     def final_evaluations(self, result) -> dict:
         """The chosen draft's held-out acceptance the other way: as a dynamic tree if it was picked
         as a chain, and the other way round."""
         other = "dynamic" if self.config.eval.tree == "chain" else "chain"
-        metrics = greedy_acceptance(self.decoder(result.model, other), self.prompts, self.config.eval.max_new_tokens,
-                                    extra={"tree": other})
-        return {f"final_{other}": metrics}
+        return {f"final_{other}": self.acceptance(result.model, other)}
 
     def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         """final/: the best draft, with its held-out acceptance as a chain and as a dynamic tree."""

@@ -16,7 +16,7 @@ The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.ru
    unchanged target. Medusa-2 (`lora.enabled=true`, Cai et al. 2024 section 2.3.2): LoRA adapters
    on the target train jointly with the heads, while a language-model loss keeps the adapted
    target's outputs close to the original's. The loss and the alignment of head i with token
-   t + 2 + i are `drafttrain.heads.loss`.
+   t + 2 + i are `drafttrain.medusa.loss`.
 4. Measure what matters: greedy Medusa tree decoding of held-out prompts; tau picks the exported
    weights. After training, the heads' top-k accuracy on those prompts shapes a calibrated tree.
 5. Export the heads in vLLM's Medusa format to `final/` (SPEC §3), with the calibrated tree; for
@@ -37,19 +37,19 @@ from torch import nn
 
 from drafttrain.config import documented
 from drafttrain.data import response_window
-from drafttrain.decoding.medusa import MedusaDecoder
+from drafttrain.decoding import DecodeSettings, Drafter
 from drafttrain.errors import UserError
 from drafttrain.export import render_acceptance_table
 from drafttrain.fileio import atomic_dir
-from drafttrain.heads.calibrate import head_topk_accuracy
-from drafttrain.heads.export import save_medusa
-from drafttrain.heads.loss import HeadsObjective, JointObjective
-from drafttrain.heads.model import MedusaHeads
-from drafttrain.heads.tree import default_tree, tree_from_accuracies
+from drafttrain.medusa.calibrate import head_topk_accuracy
+from drafttrain.medusa.export import save_medusa
+from drafttrain.medusa.loss import HeadsObjective, JointObjective
+from drafttrain.medusa.model import MedusaHeads
+from drafttrain.trees import tree_from_accuracies
 from drafttrain.models import DTYPES
 from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size
-from drafttrain.training.heldout import greedy_acceptance, table_row
+from drafttrain.training.acceptance import held_out_acceptance, table_row
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
 
 # ----------------------------------------------------------------------------- config
@@ -320,9 +320,8 @@ def heads_acceptance(target, heads: MedusaHeads, prompts: list[EncodedPrompt], *
                      max_new_tokens: int, eos_token_ids: set[int], tree: list | None = None) -> dict:
     """Greedy Medusa tree decoding of `prompts`: tau, acceptance and per-head acceptance (with
     `tree`, or the default tree cut to `tree_depth`)."""
-    decoder = MedusaDecoder(target, heads, tree=tree or default_tree(tree_depth), temperature=0.0,
-                            eos_token_ids=eos_token_ids)
-    return greedy_acceptance(decoder, prompts, max_new_tokens, extra={"tree_nodes": decoder.num_tree_nodes})
+    settings = DecodeSettings(num_draft_tokens=tree_depth, eos_token_ids=frozenset(eos_token_ids))
+    return held_out_acceptance(target, Drafter("medusa", heads, {"tree": tree}), prompts, settings, max_new_tokens)
 
 
 def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path, steps: int, best_step: int,

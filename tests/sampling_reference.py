@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from drafttrain.decoding.sampling import probabilities
+from drafttrain.decoding.verify import probabilities
 
 
 def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:

@@ -11,21 +11,21 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
 
 LAYERS = [
-    {"__init__", "errors", "fileio", "config", "home", "tokens"},                       # basics
-    {"models", "prompts", "draft_init", "export", "heads", "eagle3", "corpus", "preflight", "assets"},  # models
+    {"__init__", "errors", "fileio", "config", "home", "tokens", "trees"},              # basics
+    {"models", "prompts", "draft_init", "export", "medusa", "eagle3", "corpus", "preflight", "assets"},  # models
     {"decoding"},                                                                       # decoders
     {"evaluation", "bench"},                                                            # eval, compare, bench
-    {"data", "losses", "heads.loss"},                                                   # answers, losses
+    {"data", "losses", "medusa.loss"},                                                  # answers, losses
     {"training"},                                                                       # the loop, recipes
     {"cli"},                                                                            # the command line
 ]
 
 
 def unit(dotted: str) -> str:
-    """'drafttrain.heads.loss' -> 'heads.loss' (a module of the data layer inside heads/), else the
+    """'drafttrain.medusa.loss' -> 'medusa.loss' (a module of the data layer inside medusa/), else the
     first component below the package."""
     parts = dotted.split(".")[1:] or ["__init__"]
-    return "heads.loss" if parts[:2] == ["heads", "loss"] else parts[0]
+    return "medusa.loss" if parts[:2] == ["medusa", "loss"] else parts[0]
 
 
 def layer(name: str) -> int:
@@ -80,10 +80,10 @@ def test_every_module_has_a_layer():
 def test_the_check_finds_imports_from_higher_layers(tmp_path):
     root = tmp_path / "drafttrain"
     (root / "decoding").mkdir(parents=True)
-    (root / "heads").mkdir()
-    (root / "decoding" / "ok.py").write_text("from ..heads.tree import Path\nfrom . import lm\nimport drafttrain.errors\n")
+    (root / "medusa").mkdir()
+    (root / "decoding" / "ok.py").write_text("from ..trees import Path\nfrom . import lm\nimport drafttrain.errors\n")
     (root / "decoding" / "bad.py").write_text("def f():\n    from ..training.trainer import train\n")
-    (root / "heads" / "model.py").write_text("from drafttrain.heads.loss import x\n")
-    (root / "heads" / "loss.py").write_text("from ..losses import distill_loss\n")
+    (root / "medusa" / "model.py").write_text("from drafttrain.medusa.loss import x\n")
+    (root / "medusa" / "loss.py").write_text("from ..losses import distill_loss\n")
     assert violations(root) == ["drafttrain/decoding/bad.py imports drafttrain.training.trainer",
-                                "drafttrain/heads/model.py imports drafttrain.heads.loss"]
+                                "drafttrain/medusa/model.py imports drafttrain.medusa.loss"]

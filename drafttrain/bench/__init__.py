@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from ..decoding import ENGINES, StaticLM, cached_lm, resolve_engine, static_support
-from ..decoding.defaults import NUM_DRAFT_TOKENS
+from ..decoding import NUM_DRAFT_TOKENS
 from ..errors import UserError
-from ..evaluation.run import environment
+from ..evaluation.summary import environment
 from ..fileio import atomic_dir, atomic_write_json, atomic_write_text, check_output_dir
-from ..heads.tree import DEFAULT_TREE
+from ..trees import DEFAULT_TREE
 from . import measure
 from .report import plot, render_markdown
 

@@ -12,14 +12,9 @@ from statistics import median
 
 import torch
 
-from ..decoding import NoProposer, OracleProposer, SpeculativeDecoder
-from ..decoding.lm import CachedLM, device_tensor
-from ..decoding.tree import build_tree_buffers, chain
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from ..decoding import CachedLM, DecodeSettings, Drafter, build_decoder
+from ..decoding.engines import device_tensor, synchronize
+from ..trees import chain, static_tree
 
 
 def summary(values: list[float]) -> dict:
@@ -34,10 +29,10 @@ def read_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict:
         x.sum()
     times = []
     for _ in range(repeats):
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         x.sum()
-        sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     seconds = summary(times)
     return {"bytes": x.numel() * 4, "seconds": seconds, "bytes_per_s": x.numel() * 4 / seconds["median"]}
@@ -71,7 +66,7 @@ def decode_rate(decoder, prompts: list[list[int]], max_new_tokens: int, repeats:
 
 def plain_decoding(lm: CachedLM, prompts, max_new_tokens: int, repeats: int) -> tuple[dict, list]:
     """Tokens/s of plain greedy decoding on a cached LM, after one untimed warm-up generation."""
-    decoder = SpeculativeDecoder(lm, NoProposer(lm.device), num_draft_tokens=0)
+    decoder = build_decoder(lm, Drafter("none"), DecodeSettings(num_draft_tokens=0))
     compile_seconds = decoder.warmup()
     decoder.generate(prompts[0], min(8, max_new_tokens))
     rate, gens = decode_rate(decoder, prompts, max_new_tokens, repeats)
@@ -80,8 +75,8 @@ def plain_decoding(lm: CachedLM, prompts, max_new_tokens: int, repeats: int) -> 
 
 def oracle_decoding(lm: CachedLM, references: dict, alpha: float, k: int, vocab: int, prompts, max_new_tokens: int,
                     repeats: int, seed: int) -> dict:
-    oracle = OracleProposer(references, alpha, vocab, lm.device, seed=seed)
-    decoder = SpeculativeDecoder(lm, oracle, num_draft_tokens=k)
+    oracle = Drafter("oracle", references, {"alpha": alpha, "vocab": vocab, "seed": seed})
+    decoder = build_decoder(lm, oracle, DecodeSettings(num_draft_tokens=k))
     compile_seconds = decoder.warmup()
     decoder.generate(prompts[0], min(8, max_new_tokens))
     rate, gens = decode_rate(decoder, prompts, max_new_tokens, repeats)
@@ -97,7 +92,7 @@ def oracle_decoding(lm: CachedLM, references: dict, alpha: float, k: int, vocab:
 def forward_times(lm: CachedLM, prompt: list[int], sizes: list[int], tree_paths, repeats: int) -> tuple[list, float]:
     """Median seconds of one forward of n tokens after `prompt` (cache rolled back after each), for
     each n in `sizes` (a chain), and of one tree pass over `tree_paths`. Returns (rows, compile s)."""
-    tree = build_tree_buffers(tree_paths).to(lm.device)
+    tree = static_tree(tree_paths).to(lm.device)
     shapes = [(n, chain(n, lm.device) if n > 1 else None, "chain") for n in sizes]
     shapes.append((tree.num_nodes, tree, "tree"))
     compile_seconds = lm.warmup(sorted({n for n, _, _ in shapes}))
@@ -109,10 +104,10 @@ def forward_times(lm: CachedLM, prompt: list[int], sizes: list[int], tree_paths,
         tokens = device_tensor([(prompt[i % len(prompt)]) for i in range(n)], lm.device)
         times = []
         for i in range(repeats + 2):
-            sync(lm.device)
+            synchronize(lm.device)
             start = time.perf_counter()
             lm.forward(tokens, tree=structure if kind == "tree" else None)
-            sync(lm.device)
+            synchronize(lm.device)
             if i >= 2:
                 times.append(time.perf_counter() - start)
             lm.rollback(past)
@@ -130,11 +125,11 @@ def hf_generate_rate(model, prompts, max_new_tokens: int, repeats: int, **kwargs
 
     def run(prompt, n):
         ids = torch.tensor([prompt], device=device)
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                        do_sample=False, pad_token_id=0, **kwargs)
-        sync(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     start = time.perf_counter()

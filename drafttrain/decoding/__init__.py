@@ -1,21 +1,28 @@
-"""Lossless speculative decoding: a target verifies a drafter's proposals in one forward pass.
+"""Lossless speculative decoding (batch size 1): a target verifies a drafter's proposals in one pass.
 
-The engine (`cached_lm`: eager or static cached LMs), the decoders (chain: `SpeculativeDecoder`
-with a `Proposer`; tree: `TreeDecoder` with a `TreeDrafter`; `MedusaDecoder` picks one for Medusa
-heads), and batched generation of the target's answers (`batch`).
+Where things live (read top to bottom for one step):
+- `engines/`: how a model runs, as a `CachedLM` (eager, static with compiled steps, batched);
+- `loop.py`: the decode loop every decoder shares (prefill, steps, EOS, the `Generation` record);
+- `verify.py`: the acceptance rules (greedy and sampled, chain and tree) that keep it lossless;
+- `chain.py` / `tree.py`: the chain decoder (a `Proposer` drafts K tokens) and the tree decoder
+  (a `TreeDrafter` proposes a tree);
+- `drafters/`: one file per drafter kind (draft LM, n-gram, oracle, Medusa, EAGLE-3 and its caches);
+- `factory.py`: the one decoder factory, `build_decoder(target, Drafter(kind, ...), DecodeSettings(...))`.
+
+A new drafter kind is a file in `drafters/` and a line in `factory.DRAFTERS`; a new acceptance
+rule goes in `verify.py`; a new architecture for the static engine in `engines/static.py`.
 """
 
-from .decoder import Decoder, Generation
-from .eager import EagerLM
-from .engine import ENGINES, as_cached_lm, cached_lm, resolve_engine
-from .lm import CachedLM
-from .proposers import DraftModelProposer, NgramProposer, NoProposer, OracleProposer, Proposer, ngram_lookup
-from .speculative import SpeculativeDecoder
-from .static import StaticLM, static_support
-from .tree import Tree, tree_from_parents
-from .tree_decoder import TreeDecoder, TreeDrafter
+from .chain import ChainDecoder, NoProposer, Proposer
+from .drafters.draft_lm import DraftModelProposer
+from .drafters.ngram import NgramProposer, ngram_lookup
+from .drafters.oracle import OracleProposer
+from .engines import ENGINES, CachedLM, EagerLM, StaticLM, as_cached_lm, cached_lm, resolve_engine, static_support
+from .factory import NUM_DRAFT_TOKENS, DecodeSettings, Drafter, build_decoder
+from .loop import Decoder, Generation
+from .tree import TreeDecoder, TreeDrafter
 
-__all__ = ["CachedLM", "Decoder", "DraftModelProposer", "ENGINES", "EagerLM", "Generation", "NgramProposer",
-           "NoProposer", "OracleProposer", "Proposer", "SpeculativeDecoder", "StaticLM", "Tree", "TreeDecoder",
-           "TreeDrafter", "as_cached_lm", "cached_lm", "ngram_lookup", "resolve_engine", "static_support",
-           "tree_from_parents"]
+__all__ = ["CachedLM", "ChainDecoder", "DecodeSettings", "Decoder", "DraftModelProposer", "Drafter", "ENGINES",
+           "EagerLM", "Generation", "NUM_DRAFT_TOKENS", "NgramProposer", "NoProposer", "OracleProposer", "Proposer",
+           "StaticLM", "TreeDecoder", "TreeDrafter", "as_cached_lm", "build_decoder", "cached_lm", "ngram_lookup",
+           "resolve_engine", "static_support"]

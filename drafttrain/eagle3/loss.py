@@ -82,12 +82,6 @@ class Eagle3LossOutput:
     step_positions: torch.Tensor  # [num_steps]: positions trained by the KL
     coverage: float               # fraction of response positions whose target token is a draft token
 
-    def log_dict(self, prefix: str = "") -> dict[str, float]:
-        out = {f"{prefix}loss": float(self.loss.detach()), f"{prefix}coverage": self.coverage}
-        for j, (kl, acc) in enumerate(zip(self.step_kl.tolist(), self.step_accuracy.tolist())):
-            out[f"{prefix}kl_{j}"], out[f"{prefix}acc_{j}"] = kl, acc
-        return out
-
 
 def step_weights(num_steps: int, decay: float) -> torch.Tensor:
     """decay**j, normalised to sum 1: later steps matter less (they are reached less often)."""

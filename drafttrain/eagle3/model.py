@@ -23,7 +23,7 @@ Conventions
 - The hidden state a step hands on is the layer's output BEFORE `norm` (SGLang's
   `hidden_states_to_aux`, vLLM's `hidden_prenorm`); logits are lm_head(norm(hidden)).
 
-Decoding with a KV cache (`Eagle3KVCache`), for an engine whose target cache holds the whole
+Decoding with a KV cache (`decoding.drafters.eagle3_cache`), for an engine whose target cache holds the whole
 sequence but its last ("pending") token: with c tokens in the sequence, the draft cache holds
 step-0 entries for indices 0..c-2 (length c-1).
 1. `prefill(cache, features, next_tokens, positions)` after the prompt's prefill (features of
@@ -250,103 +250,6 @@ class DraftStep(NamedTuple):
     hidden: torch.Tensor  # [B, n, H]: the layer's output before `norm`, fed to the next step
 
 
-class Eagle3KVCache:
-    """The draft layer's keys (rotated) and values for decoding: a simple growing cache.
-
-    `valid` [B, S] marks real entries (a batch's left padding is never attended). Entries are in
-    the order they were appended; `rollback` and `keep` rewrite that order, like the target's.
-    """
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None    # [B, kv_heads, S, d]
-        self.values: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None   # bool [B, S]
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def reset(self) -> None:
-        self.keys = self.values = self.valid = None
-
-    def rollback(self, length: int) -> None:
-        """Keep the first `length` entries (drop what was drafted since)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back a cache of {self.length} entries to {length}")
-        if length == 0:
-            self.reset()
-            return
-        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-        self.valid = self.valid[:, :length]
-
-    def keep(self, past_len: int, nodes) -> None:
-        """Tree compaction: keep entries [0, past_len) and, after them in the given order, the
-        entries past_len + nodes[i] (e.g. the nodes of the accepted path)."""
-        nodes = torch.as_tensor(nodes, dtype=torch.long, device=self.keys.device if self.keys is not None else None)
-        if not 0 <= past_len <= self.length or (nodes.numel() and not 0 <= int(nodes.min()) <= int(nodes.max()) < self.length - past_len):
-            raise ValueError(f"keep({past_len}, {nodes.tolist()}) is outside a cache of {self.length} entries")
-        index = torch.cat([torch.arange(past_len, device=nodes.device), past_len + nodes])
-        if index.numel() == 0:
-            self.reset()
-            return
-        self.keys, self.values = self.keys[:, :, index], self.values[:, :, index]
-        self.valid = self.valid[:, index]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        if valid is None:
-            valid = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
-        if self.keys is None:
-            self.keys, self.values, self.valid = keys, values, valid.bool()
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
-            self.valid = torch.cat([self.valid, valid.bool()], dim=1)
-
-
-class Eagle3StaticCache(nn.Module):
-    """The draft layer's cache preallocated for `capacity` entries ([B, kv_heads, capacity, d] and
-    valid [B, capacity]), written in place, with Eagle3KVCache's bookkeeping (length, reset,
-    rollback; a decoder drops drafted entries by rollback and feeds the accepted ones anew).
-    Entries past `length` are stale and never read: every mask stops at the written ones.
-    Fixed shapes and addresses are what lets one compiled step serve every length
-    (`Eagle3Draft.step_in_place`; CUDA graphs replay in place)."""
-
-    def __init__(self, config: "Eagle3Config", capacity: int, *, batch_size: int = 1, device=None,
-                 dtype: torch.dtype | None = None):
-        super().__init__()
-        shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
-        self.register_buffer("keys", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("values", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("valid", torch.zeros(batch_size, capacity, dtype=torch.bool, device=device),
-                             persistent=False)
-        for t in (self.keys, self.values, self.valid):
-            torch._dynamo.mark_static_address(t)
-        self.capacity = capacity
-        self.length = 0
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def check_room(self, n: int) -> None:
-        if self.length + n > self.capacity:
-            raise ValueError(f"the draft's static cache holds {self.capacity} entries; {self.length} + {n} do not fit")
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back a cache of {self.length} entries to {length}")
-        self.length = length
-
-    @torch.no_grad()
-    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        n = keys.shape[2]
-        self.check_room(n)
-        slots = torch.arange(self.length, self.length + n, device=self.keys.device)
-        self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
-        self.values.index_copy_(2, slots, values.to(self.values.dtype))
-        self.valid[:, slots] = True if valid is None else valid.bool()
-        self.length += n
-
-
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -508,7 +411,7 @@ class Eagle3Draft(nn.Module):
 
     # --- decoding -----------------------------------------------------------------------------
 
-    def prefill(self, cache: Eagle3KVCache, features: torch.Tensor, next_tokens: torch.Tensor,
+    def prefill(self, cache, features: torch.Tensor, next_tokens: torch.Tensor,
                 positions: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DraftStep:
         """Append step-0 entries for new indices: the target's features there [B, n, 3·H], the
         token that follows each index [B, n], and the indices' positions [B, n]. Each new index
@@ -517,7 +420,7 @@ class Eagle3Draft(nn.Module):
         return self._decode(cache, self.fc(features.to(self.fc.weight.dtype)), next_tokens, positions,
                             attention_mask, tree_mask=None)
 
-    def step(self, cache: Eagle3KVCache, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+    def step(self, cache, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              tree_mask: torch.Tensor | None = None) -> DraftStep:
         """One drafting step from the draft's own hidden states [B, n, H] and the tokens just
         drafted [B, n]. Chain (tree_mask None): like prefill. Tree level: tree_mask, bool [n, m]
@@ -553,7 +456,7 @@ class Eagle3Draft(nn.Module):
         h = layer.finish(h_in, attend(attn.queries(x, cos, sin), cache.keys, cache.values, visible))
         return DraftStep(self.compute_logits(h), h)
 
-    def step_in_place(self, cache: Eagle3StaticCache, hidden: torch.Tensor, tokens: torch.Tensor,
+    def step_in_place(self, cache, hidden: torch.Tensor, tokens: torch.Tensor,
                       positions: torch.Tensor, tree_start: torch.Tensor, tree_mask: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """`step` on a static cache with every length a tensor, so it compiles to one graph per

@@ -15,11 +15,10 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from ..decoding.defaults import NUM_DRAFT_TOKENS
+from ..decoding import NUM_DRAFT_TOKENS, DecodeSettings
 from ..errors import UserError
-from ..heads.tree import check_paths
+from ..trees import TREE_CHOICES, read_tree_file
 
-TREE_CHOICES = ("auto", "default", "chain", "dynamic")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 ENGINE_CHOICES = ("auto", "eager", "static")
 
@@ -115,10 +114,16 @@ class EvalConfig:
         if self.tree_topk < 1:
             raise UserError(f"--tree-topk must be at least 1, got {self.tree_topk}")
 
+    def decode_settings(self, *, generator=None, record_margins: bool = False) -> DecodeSettings:
+        """What the decoder factory needs of these settings."""
+        return DecodeSettings(num_draft_tokens=self.num_draft_tokens, temperature=self.temperature, top_p=self.top_p,
+                              generator=generator, record_margins=record_margins, tree=self.tree,
+                              tree_nodes=self.tree_nodes, tree_topk=self.tree_topk, ngram_max=self.ngram_max)
+
     @property
-    def proposer_name(self) -> str:
-        """draft | heads | eagle3 | ngram | none: which kind of drafter runs."""
-        return "draft" if self.draft else "heads" if self.heads else "eagle3" if self.eagle3 else self.method
+    def drafter_kind(self) -> str:
+        """draft | medusa | eagle3 | ngram | none: which kind of drafter runs (`decoding.factory.DRAFTERS`)."""
+        return "draft" if self.draft else "medusa" if self.heads else "eagle3" if self.eagle3 else self.method
 
     @property
     def drafter_name(self) -> str:
@@ -149,19 +154,6 @@ def validate_choices(cfg) -> None:
         choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
         if choices and value is not None and value not in choices:
             raise UserError(f"unknown {flag_name(f.name)} {value!r}; use one of {', '.join(choices)}")
-
-
-def read_tree_file(path: str) -> list:
-    """A tree as JSON: a list of paths, each a list of top-k choice indices, e.g. [[0], [1], [0, 0]]."""
-    try:
-        paths = check_paths(tuple(p) for p in json.loads(Path(path).read_text()))
-    except OSError as e:
-        raise UserError(f"--tree {path}: cannot read it ({e.strerror}); use auto, default, chain or a JSON file of "
-                        "paths like [[0], [1], [0, 0]]") from e
-    except (TypeError, ValueError) as e:
-        raise UserError(f"--tree {path}: not a valid tree ({e}); write a JSON list of paths like [[0], [1], [0, 0]]"
-                        ) from e
-    return paths
 
 
 # ----------------------------------------------------------------------------- flags from fields

@@ -5,7 +5,7 @@ Under greedy verification a draft token is accepted iff it equals the target's g
 after an acceptance the draft continues from exactly the target's prefix. So the draft's argmax
 at every position of (prompt + the target's greedy output) decides every step of chain
 speculative decoding: the accepted and proposed lengths follow by replaying the decoder's step
-rule (`SpeculativeDecoder.generate`, drafts past an EOS that ended the output not counted).
+rule (`ChainDecoder.generate`, drafts past an EOS that ended the output not counted).
 Seconds instead of minutes per draft, which makes comparing many candidate drafts (layer
 choices, checkpoints) cheap. It measures acceptance only: timings need `eval` or `compare`.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.defaults import NUM_DRAFT_TOKENS
+from ..decoding import NUM_DRAFT_TOKENS
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from ..preflight import first_vocab_difference
@@ -246,7 +246,7 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
         what = f"{'EAGLE-3 ' if kind == 'eagle3' else ''}draft {name!r}"
         if kind == "eagle3":
             from ..eagle3.export import load_eagle3
-            from .run import require_finite
+            from .loading import require_finite
 
             target = target or load_causal_lm(cfg.target, dtype, device, "target")
             draft, _ = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)

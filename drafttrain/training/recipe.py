@@ -51,7 +51,7 @@ from ..tokens import eos_token_ids, pad_token_id
 from .config import OptimConfig, TrainConfig
 from .distributed import build_accelerator, close_process_group, is_sharded, zero3_init_disabled
 from .frozen import local_fraction, shard_frozen
-from .heldout import eval_prompts
+from .acceptance import eval_prompts
 from .run_dir import RunDirectory
 from .trainer import TrainResult, train
 
@@ -197,7 +197,7 @@ class Recipe:
         raise NotImplementedError
 
     def evaluate(self, model: torch.nn.Module) -> dict:
-        """Greedy acceptance of `model` on `self.prompts` (see `training.heldout.greedy_acceptance`)."""
+        """Greedy acceptance of `model` on `self.prompts` (see `training.acceptance.held_out_acceptance`)."""
         raise NotImplementedError
 
     def final_evaluations(self, result: TrainResult) -> dict[str, dict]:

@@ -11,18 +11,21 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain.decoding import EagerLM, StaticLM
-from drafttrain.decoding.tree import (
-    build_tree_buffers,
-    compact_cache,
-    greedy_accept_tree,
-    greedy_tree_verdict,
-    tree_attention_inputs,
-    tree_candidates,
-    tree_from_parents,
-)
-from drafttrain.heads.tree import DEFAULT_TREE, chain_tree, default_tree
+from drafttrain.decoding.drafters.medusa import tree_candidates
+from drafttrain.decoding.engines.eager import compact_cache, tree_attention_inputs
+from drafttrain.decoding.verify import greedy_tree_verdict
+from drafttrain.trees import DEFAULT_TREE, chain_tree, default_tree, static_tree, tree_from_parents
 
 VOCAB = 96
+
+
+def greedy_accept_tree(candidate_tokens, target_argmax, tree):
+    """The accepted path from `greedy_tree_verdict`, on the host: (nodes, root first; their draft
+    tokens; the bonus token), as the tree decoder reads it."""
+    verdict = greedy_tree_verdict(target_argmax, candidate_tokens, tree).tolist()
+    nodes = tree.path_to(verdict[0])
+    argmax = verdict[1:]
+    return nodes, [argmax[p] for p in nodes[:-1]], argmax[nodes[-1]]
 # Transformers' eager attention takes its softmax in float32 even for a float64 model; SDPA (and
 # the static engine) stays in float64. A wrong mask or position moves logits by ~1e-1, far above
 # either tolerance.
@@ -70,7 +73,7 @@ def distinct_topk(gen: torch.Generator, num_heads: int, k: int) -> torch.Tensor:
 def test_buffers_match_brute_force(seed):
     rng = random.Random(seed)
     paths = DEFAULT_TREE if seed == 0 else random_tree(rng, size=rng.randrange(1, 30), depth=4, width=5)
-    b = build_tree_buffers(paths)
+    b = static_tree(paths)
     N = len(paths) + 1
     assert b.num_nodes == N
     assert sorted(b.paths) == sorted(tuple(p) for p in paths)
@@ -78,7 +81,7 @@ def test_buffers_match_brute_force(seed):
     assert b.paths == sorted(b.paths, key=lambda p: (len(p), p))
     for a in range(N):
         pa = path_of(b, a)
-        assert b.depths[a] == len(pa) == b.position_offsets[a]
+        assert b.depths[a] == len(pa)
         assert b.parent[a] == (-1 if a == 0 else [n for n in range(N) if path_of(b, n) == pa[:-1]][0])
         assert b.head_index[a] == len(pa) - 1
         assert b.topk_index[a] == (pa[-1] if pa else -1)
@@ -100,30 +103,30 @@ def test_buffers_match_brute_force(seed):
 
 def test_tree_validation():
     with pytest.raises(ValueError, match="parent"):
-        build_tree_buffers([(0,), (1, 0)])
+        static_tree([(0,), (1, 0)])
     with pytest.raises(ValueError, match="unique"):
-        build_tree_buffers([(0,), (0,)])
+        static_tree([(0,), (0,)])
     with pytest.raises(ValueError, match="non-empty"):
-        build_tree_buffers([()])
+        static_tree([()])
     with pytest.raises(ValueError, match="non-negative"):
-        build_tree_buffers([(-1,)])
+        static_tree([(-1,)])
 
 
 def test_default_and_chain_trees():
     for num_heads in (1, 2, 3, 4, 5):
         tree = default_tree(num_heads)
-        b = build_tree_buffers(tree)  # prefix-closed, or this raises
+        b = static_tree(tree)  # prefix-closed, or this raises
         assert b.max_depth == min(num_heads, 4)
-    assert 20 <= build_tree_buffers(DEFAULT_TREE).num_nodes <= 30
-    b = build_tree_buffers(chain_tree(3))
+    assert 20 <= static_tree(DEFAULT_TREE).num_nodes <= 30
+    b = static_tree(chain_tree(3))
     assert b.paths == [(0,), (0, 0), (0, 0, 0)]
     assert b.retrieve_indices.tolist() == [[0, 1, 2, 3]]
     assert torch.equal(b.attention_mask, torch.ones(4, 4, dtype=torch.bool).tril())
-    assert build_tree_buffers([]).retrieve_indices.tolist() == [[0]]
+    assert static_tree([]).retrieve_indices.tolist() == [[0]]
 
 
 def test_tree_candidates_brute_force():
-    b = build_tree_buffers(DEFAULT_TREE)
+    b = static_tree(DEFAULT_TREE)
     topk = distinct_topk(torch.Generator().manual_seed(0), num_heads=5, k=6)
     tokens = tree_candidates(7, topk, b)
     expected = [7] + [int(topk[len(p) - 1, p[-1]]) for p in b.paths]
@@ -156,7 +159,7 @@ def test_greedy_accept_matches_brute_force(seed):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     paths = DEFAULT_TREE if seed % 2 else random_tree(rng, size=rng.randrange(1, 25), depth=4, width=4)
-    b = build_tree_buffers(paths)
+    b = static_tree(paths)
     topk = distinct_topk(gen, num_heads=4, k=4)
     tokens = tree_candidates(rng.randrange(VOCAB), topk, b)
     # Make the target agree often: argmax at a node = the token of a random child (or noise).
@@ -171,7 +174,7 @@ def test_greedy_accept_matches_brute_force(seed):
 
 def test_greedy_accept_hand_computed():
     # root=0; nodes: 1=(0,) 2=(1,) 3=(0,0) 4=(1,0) 5=(1,0,0)
-    b = build_tree_buffers([(0,), (1,), (0, 0), (1, 0), (1, 0, 0)])
+    b = static_tree([(0,), (1,), (0, 0), (1, 0), (1, 0, 0)])
     tokens = torch.tensor([10, 11, 12, 13, 14, 15])
     # Target: after root -> 12 (node 2), after node 2 -> 14 (node 4), after node 4 -> 99 (not 15).
     argmax = torch.tensor([12, 50, 14, 51, 99, 52])
@@ -183,7 +186,7 @@ def test_greedy_accept_hand_computed():
     tokens = torch.tensor([10, 11, 11, 13, 14, 15])
     argmax = torch.tensor([11, 60, 14, 61, 15, 62])
     assert greedy_accept_tree(tokens, argmax, b) == ([0, 2, 4, 5], [11, 14, 15], 62)
-    b2 = build_tree_buffers([(0,), (1,)])
+    b2 = static_tree([(0,), (1,)])
     assert greedy_accept_tree(torch.tensor([1, 5, 5]), torch.tensor([5, 8, 9]), b2) == ([0, 1], [5], 8)
 
 
@@ -192,7 +195,7 @@ def test_greedy_accept_hand_computed():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_tree_attention_inputs_values(dtype):
-    b = build_tree_buffers(DEFAULT_TREE)
+    b = static_tree(DEFAULT_TREE)
     past = 5
     mask, pos = tree_attention_inputs(b, past, "cpu", dtype)
     N = b.num_nodes
@@ -229,7 +232,7 @@ def test_tree_pass_equals_brute_force(kind):
     lm = cached(kind)
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(VOCAB, (9,), generator=gen)
-    b = build_tree_buffers(DEFAULT_TREE)
+    b = static_tree(DEFAULT_TREE)
     lm.reset()
     with torch.no_grad():
         lm.forward(prefix)
@@ -264,7 +267,7 @@ def test_generic_tree_any_node_order(kind):
             seq = prefix + tokens[tree.path_to(n)].tolist()
             torch.testing.assert_close(logits[n], plain_logits(lm.model, seq)[-1], rtol=0, atol=ATOL[kind])
         path = tree.path_to(6)  # [0, 1, 3, 6]
-        lm.keep(len(prefix), path)
+        lm.compact(len(prefix), path)
         assert lm.length == len(prefix) + len(path)
         more = [11, 12]
         cont, _ = lm.forward(torch.tensor(more))
@@ -308,7 +311,7 @@ def test_verify_accept_keep_continue(kind):
     model = lm.model
     gen = torch.Generator().manual_seed(2)
     prefix = torch.randint(VOCAB, (6,), generator=gen)
-    b = build_tree_buffers(DEFAULT_TREE)
+    b = static_tree(DEFAULT_TREE)
     lm.reset()
     with torch.no_grad():
         logits, _ = lm.forward(prefix)
@@ -330,7 +333,7 @@ def test_verify_accept_keep_continue(kind):
         assert [path_of(b, n) for n in nodes] == [(), (0,), (0, 1), (0, 1, 0)]
         assert accepted == greedy[:3] and bonus == greedy[3]
 
-        lm.keep(past, nodes)
+        lm.compact(past, nodes)
         assert lm.length == past + len(nodes)
         if kind in ("eager", "sdpa"):
             for layer in lm.cache.layers:
@@ -365,8 +368,8 @@ def test_keep_rejects_nodes_outside_the_last_pass(kind):
     lm.reset()
     lm.forward(torch.arange(6))
     with pytest.raises(ValueError, match="out of range"):
-        lm.keep(4, [0, 2])
+        lm.compact(4, [0, 2])
     with pytest.raises(ValueError, match="out of range"):
-        lm.keep(7, [0])
-    lm.keep(4, [0, 1])  # a chain prefix: nothing moves
+        lm.compact(7, [0])
+    lm.compact(4, [0, 1])  # a chain prefix: nothing moves
     assert lm.length == 6

@@ -15,8 +15,8 @@ from eagle3_helpers import target_hidden_states, tiny_draft
 from engines import ENGINES, on_engine, ready
 from sampling_reference import chi2_pvalue, exact_two_token_distribution
 
-from drafttrain.decoding.eagle3 import Eagle3Decoder, Eagle3TreeDrafter
-from drafttrain.eagle3.model import Eagle3KVCache
+from drafttrain.decoding.drafters.eagle3 import eagle3_decoder, Eagle3TreeDrafter
+from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
 from tiny import greedy_reference, tiny_lm
 
 EOS = 2
@@ -30,7 +30,7 @@ TREES = {"chain": "chain", "static": STATIC_TREE, "dynamic": "dynamic"}
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_greedy_equals_generate(trained_pair, tree, engine, k):
     target, draft = trained_pair
-    decoder = ready(Eagle3Decoder(on_engine(target, engine), draft, num_draft_tokens=k, tree=TREES[tree],
+    decoder = ready(eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=k, tree=TREES[tree],
                                   tree_nodes=12, tree_topk=3), engine)
     state = (decoder.proposer if tree == "chain" else decoder.drafter).state
     assert state.engine.engine == ("eager" if engine == "eager" else "static")  # the draft follows the target
@@ -54,7 +54,7 @@ def test_the_static_draft_engine_drafts_what_the_eager_one_does(trained_pair, tr
     target, draft = trained_pair
     accepted = {}
     for engine in ("eager", "static"):
-        decoder = Eagle3Decoder(on_engine(target, engine), draft, num_draft_tokens=4, tree=TREES[tree],
+        decoder = eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=4, tree=TREES[tree],
                                 tree_nodes=12, tree_topk=3)
         accepted[engine] = [decoder.generate(prompt, 24).accepted_lengths for prompt in PROMPTS]
     assert accepted["static"] == accepted["eager"]
@@ -64,7 +64,7 @@ def test_the_static_draft_engine_drafts_what_the_eager_one_does(trained_pair, tr
 def test_one_token_prompt_drafts_nothing_first(trained_pair):
     target, draft = trained_pair
     for tree in TREES.values():
-        gen = Eagle3Decoder(target, draft, num_draft_tokens=3, tree=tree, tree_nodes=8, tree_topk=2).generate([7], 9)
+        gen = eagle3_decoder(target, draft, num_draft_tokens=3, tree=tree, tree_nodes=8, tree_topk=2).generate([7], 9)
         assert gen.tokens == greedy_reference(target, [7], 9)
         assert gen.proposed_lengths[0] == 0
 
@@ -131,7 +131,7 @@ def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temp
     exact = exact_two_token_distribution(target, prompt, temperature, top_p, V)
     assert sum(p for (x, _), p in exact.items() if x in outside) > 0.05  # the test can see a leak
     g = torch.Generator().manual_seed(1234)
-    decoder = Eagle3Decoder(target, draft, num_draft_tokens=3, temperature=temperature, top_p=top_p, generator=g)
+    decoder = eagle3_decoder(target, draft, num_draft_tokens=3, temperature=temperature, top_p=top_p, generator=g)
     n, counts, accepted = 2000, {}, 0
     for _ in range(n):
         gen = decoder.generate(prompt, 3)
@@ -162,7 +162,7 @@ def test_compiled_draft_steps_equal_generate_without_recompiling(trained_pair):
     draft.attach_embeddings(target.get_input_embeddings())
     lm = cached_lm(target, "static", max_length=64, compile=True)
     for tree in ("chain", "dynamic", STATIC_TREE):
-        decoder = Eagle3Decoder(lm, draft, num_draft_tokens=3, tree=tree, tree_nodes=10, tree_topk=2)
+        decoder = eagle3_decoder(lm, draft, num_draft_tokens=3, tree=tree, tree_nodes=10, tree_topk=2)
         engine = (decoder.proposer if tree == "chain" else decoder.drafter).state.engine
         assert engine.compile and engine.cache.capacity >= lm.capacity
         assert decoder.warmup() > 0 and engine.compile_seconds > 0

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from drafttrain.eagle3.export import load_eagle3, save_eagle3
-from drafttrain.eagle3.model import Eagle3Draft, Eagle3KVCache
+from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
+from drafttrain.eagle3.model import Eagle3Draft
 from drafttrain.errors import UserError
 from eagle3_helpers import LAYERS, VOCAB, target_hidden_states, tiny_draft, tiny_target
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.eagle3.model import Eagle3KVCache
-from drafttrain.decoding.eagle3 import Eagle3Decoder
+from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
+from drafttrain.decoding.drafters.eagle3 import eagle3_decoder
 from drafttrain.evaluation.replay import teacher_forced_steps
 from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft
 from tiny import greedy_reference
@@ -95,7 +95,7 @@ def test_replay_equals_the_chain_decoders_accepted_and_proposed_lengths(trained_
     for trial in range(6):
         prompt = torch.randint(3, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
         max_new = [24, 9][trial % 2]
-        real = Eagle3Decoder(target, draft, num_draft_tokens=k, tree="chain", eos_token_ids={EOS}).generate(prompt,
+        real = eagle3_decoder(target, draft, num_draft_tokens=k, tree="chain", eos_token_ids={EOS}).generate(prompt,
                                                                                                             max_new)
         assert real.tokens == greedy_reference(target, prompt, max_new, eos=EOS)
         accepted, proposed = teacher_forced_steps(draft, prompt, real.tokens, num_draft_tokens=k,

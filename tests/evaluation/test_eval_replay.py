@@ -10,7 +10,7 @@ from eval_helpers import cli, damaged_copy, one_error_line, snapshot, write_json
 from tiny import greedy_reference, noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 
 from drafttrain.cli import main
-from drafttrain.decoding import DraftModelProposer, SpeculativeDecoder
+from drafttrain.decoding import DraftModelProposer, ChainDecoder
 from drafttrain.evaluation.replay import (ReplayConfig, chain_accepted_lengths, chain_steps, run_replay, tau,
                                           teacher_forced_steps)
 
@@ -47,7 +47,7 @@ def test_equals_the_decoders_accepted_and_proposed_lengths(k, scale):
             if eos is None:  # an EOS inside the output: the target stops there
                 eos = {output[13]}
                 output = greedy_reference(target, prompt, max_new, eos=output[13])
-            decoder = SpeculativeDecoder(target, DraftModelProposer(draft, 64, 0.0, 1.0, None),
+            decoder = ChainDecoder(target, DraftModelProposer(draft, 64, 0.0, 1.0, None),
                                          num_draft_tokens=k, eos_token_ids=eos)
             real = decoder.generate(prompt, max_new)
             assert real.tokens == output

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 import drafttrain
 from drafttrain.cli import build_parser, main
-from drafttrain.decoding.defaults import NUM_DRAFT_TOKENS
+from drafttrain.decoding import NUM_DRAFT_TOKENS
 
 EOS = 2          # `<|im_end|>` in the tiny tokenizer, and the tiny models' eos_token_id
 CONTEXT = 64     # the tiny target's max_position_embeddings
@@ -437,7 +437,9 @@ def test_static_engine_is_lossless_and_recorded(models, prompt_files, references
     check_bookkeeping(report, rows, K)
     assert report["config"]["engine"] == "static"
     assert report["engine"]["requested"] == "static" and report["engine"]["used"] == "static"
-    assert report["engine"]["compile_seconds"] >= 0.0  # reported apart from tokens/s
+    # The uncompiled static engine still runs each registered step once before timing: that time is
+    # reported on its own (the eager engine's is exactly 0), never in tokens/s.
+    assert report["engine"]["compile_seconds"] > 0.0
     if drafter[0] == "--draft":
         assert report["overall"]["predicted"]["cost_ratio"] > 0
 

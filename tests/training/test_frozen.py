@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafttrain.decoding.static import static_support
+from drafttrain.decoding.engines.static import static_support
 from drafttrain.training.frozen import gathered, is_sharded_module, local_fraction
 from tiny import tiny_lm
 

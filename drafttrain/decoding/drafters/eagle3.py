@@ -1,0 +1,329 @@
+"""EAGLE-3 decoding: a one-layer draft that reads the target's own features.
+
+The target's verification forward also returns its hidden states at the draft's three layers
+(`hidden_layers` = the draft's aux layers). The draft's KV cache mirrors the target's: it holds
+one entry per cached target position p, made from the target's features at p and the token at
+p + 1 (`Eagle3Draft.prefill`). Its output at the last cached position predicts the token after
+`pending`, which is the first draft; the next drafts feed the draft's own output hidden state
+back with the token just drafted (`Eagle3Draft.step`). After a verification the drafted entries
+are dropped (`rollback`) and the target's features of the kept positions are fed instead. The
+draft's cache and steps live on a `CachedEagle3Draft` (`eagle3_cache.py`): eager, or static and
+compiled beside a static target.
+
+- Chain (`Eagle3Proposer`, any temperature): K drafts in a row. q is the draft's distribution
+  over its reduced vocabulary mapped into the target's (tokens outside it have q = 0), and the
+  rejection rule keeps the output exactly the target's.
+- Tree (`Eagle3TreeDrafter`, greedy): a static tree of top-k choices per depth, as Medusa's
+  paths, or EAGLE-2's dynamic tree: expand the `topk` most likely nodes of each depth (by the
+  draft's cumulative log-probability), then keep the `nodes - 1` most likely of everything drafted.
+  A child is never more likely than its parent, so that set is a tree (prefix-closed). One target
+  pass verifies it; each depth costs one draft forward over the nodes it expands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...eagle3.model import DraftStep, Eagle3Draft
+from ...trees import Path, check_paths, static_tree, tree_from_parents
+from ..chain import ChainDecoder, Proposer
+from ..engines import StaticLM, as_cached_lm, device_tensor
+from ..tree import TreeDecoder, TreeDrafter
+from ..verify import probabilities, sample
+from .eagle3_cache import CachedEagle3Draft, as_cached_draft
+
+
+class Eagle3DraftCache:
+    """The draft's cache kept in step with the target's (one entry per cached target position), and
+    the draft's last output. `draft`: an Eagle3Draft (eager engine) or a `CachedEagle3Draft`."""
+
+    def __init__(self, draft: Eagle3Draft | CachedEagle3Draft, device):
+        self.engine = as_cached_draft(draft)
+        self.draft = self.engine.draft
+        self.device = torch.device(device)
+        self.cache = self.engine.cache
+        self.last: DraftStep | None = None  # output at the last cached position: predicts the token after pending
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.draft.config.aux_layer_ids)
+
+    @property
+    def length(self) -> int:
+        """Cached positions, the same count as the target's cache (every position but pending's)."""
+        return self.cache.length
+
+    def reset(self, prompt: list[int], hidden: torch.Tensor | None) -> None:
+        self.cache.reset()
+        self.last = None
+        if hidden is not None and len(prompt) > 1:
+            self.feed(hidden, prompt[1:], start=0)
+
+    @torch.inference_mode()
+    def feed(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
+        """Entries for positions start.. from the target's features there and the tokens that follow."""
+        n = len(next_tokens)
+        tokens = device_tensor(next_tokens, self.device).view(1, n)
+        positions = torch.arange(start, start + n, device=self.device).view(1, n)
+        self.last = self.engine.prefill(hidden.view(1, n, -1), tokens, positions)
+
+    def commit(self, committed: int, hidden: torch.Tensor, next_tokens: list[int]) -> None:
+        """After a verification: forget the drafted entries, feed the kept positions' features."""
+        self.cache.rollback(committed)
+        self.feed(hidden, next_tokens, start=committed)
+
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             tree_mask: torch.Tensor | None = None) -> DraftStep:
+        with torch.inference_mode():
+            return self.engine.step(hidden, tokens, positions, tree_mask=tree_mask)
+
+
+class Eagle3Proposer(Proposer):
+    """A chain of K drafts; with temperature > 0 each is sampled from the draft's distribution."""
+
+    name = "eagle3"
+
+    def __init__(self, draft: Eagle3Draft, device, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None):
+        self.state = Eagle3DraftCache(draft, device)
+        self.hidden_layers = self.state.hidden_layers
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.device = torch.device(device)
+        self.empty = torch.empty(0, dtype=torch.long, device=self.device)
+        self.committed = 0
+
+    def reset(self, prompt, hidden=None):
+        self.state.reset(prompt, hidden)
+        self.committed = self.state.length
+
+    def propose(self, k, sequence):
+        last = self.state.last
+        if last is None or k == 0:  # a one-token prompt: no feature to draft from yet
+            return self.empty, None
+        draft = self.state.draft
+        logits, hidden = last.logits[:, -1:], last.hidden[:, -1:]
+        tokens, dists = [], []
+        for j in range(k):
+            target_logits = draft.to_target_logits(logits[0, -1])
+            if self.temperature == 0:
+                token = target_logits.argmax().view(1)
+            else:
+                q = probabilities(target_logits, self.temperature, self.top_p)
+                token = sample(q, self.generator).view(1)
+                dists.append(q)
+            tokens.append(token)
+            if j + 1 < k:  # the draft at position committed + j reads its own last output
+                position = torch.full((1, 1), self.committed + j, dtype=torch.long, device=self.device)
+                out = self.state.step(hidden, token.view(1, 1), position)
+                logits, hidden = out.logits, out.hidden
+        return torch.cat(tokens), (torch.stack(dists) if dists else None)
+
+    def commit(self, n_accepted, emitted, hidden=None):
+        self.state.commit(self.committed, hidden, emitted)
+        self.committed = self.state.length
+
+    def warmup(self) -> float:
+        return self.state.engine.warmup([(1, 1)])  # every chain drafting step is one token
+
+
+class Eagle3TreeDrafter(TreeDrafter):
+    """Greedy tree drafting: `paths` (a static tree, Medusa-style top-k choices per depth) or,
+    with `paths=None`, EAGLE-2's dynamic tree of `nodes` nodes (root included), `depth` deep,
+    expanding the `topk` most likely nodes of each depth."""
+
+    name = "eagle3"
+
+    def __init__(self, draft: Eagle3Draft, device, *, paths: list[Path] | None = None, depth: int = 4,
+                 topk: int = 4, nodes: int = 32):
+        self.state = Eagle3DraftCache(draft, device)
+        self.hidden_layers = self.state.hidden_layers
+        self.device = torch.device(device)
+        if paths is not None:
+            self.buffers = static_tree(check_paths(paths))
+            self.depth, self.nodes, self.topk = self.buffers.max_depth, self.buffers.num_nodes, self.buffers.topk
+        else:
+            if depth < 1 or topk < 1 or nodes < 2:
+                raise ValueError(f"a dynamic tree needs depth >= 1, topk >= 1 and nodes >= 2, got {depth}, {topk}, "
+                                 f"{nodes}")
+            self.buffers = None
+            self.depth, self.topk = depth, topk
+            self.nodes = min(nodes, 1 + topk + (depth - 1) * topk * topk)  # what the expansion can produce
+        self.committed = 0
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes
+
+    @property
+    def paths(self) -> list[Path] | None:
+        return list(self.buffers.paths) if self.buffers is not None else None
+
+    @property
+    def kind(self) -> str:
+        return "static" if self.buffers is not None else f"dynamic ({self.nodes} nodes, top-{self.topk})"
+
+    def reset(self, prompt, hidden=None):
+        self.state.reset(prompt, hidden)
+        self.committed = self.state.length
+
+    def commit(self, nodes, accepted, bonus, hidden=None):
+        self.state.commit(self.committed, hidden, list(accepted) + [bonus])
+        self.committed = self.state.length
+
+    def level_shapes(self) -> list[tuple[int, int]]:
+        """(nodes expanded, tree entries so far) of each drafting forward of a full-depth pass:
+        the shapes the static engine compiles."""
+        if self.buffers is None:  # the dynamic tree expands `topk` nodes at every depth but the last
+            return [(self.topk, d * self.topk) for d in range(1, self.depth)]
+        depths, parents = self.buffers.depths.tolist(), self.buffers.parent.tolist()
+        shapes, expanded = [], 0
+        for d in range(1, self.depth):
+            n = len({parents[c] for c in range(1, len(depths)) if depths[c] == d + 1})
+            if n:
+                expanded += n
+                shapes.append((n, expanded))
+        return shapes
+
+    def warmup(self) -> float:
+        return self.state.engine.warmup(self.level_shapes())
+
+    def draft(self, root, depth):
+        last = self.state.last
+        depth = min(depth, self.depth)
+        if last is None or depth == 0:
+            return root.reshape(1), tree_from_parents([-1], self.device)
+        if self.buffers is not None:
+            return self._static(root, depth)
+        return self._dynamic(root, depth)
+
+    def _expand(self, level: list[int], tokens: list[torch.Tensor], parents: list[int], expanded: list[int],
+                outputs: dict[int, DraftStep], hidden_of: dict[int, torch.Tensor], depth_of_level: int) -> None:
+        """One draft forward over the nodes of `level` (their tokens known): each reads its
+        parent's output hidden state and sees the committed prefix, its expanded ancestors and
+        itself. Fills outputs[node] with its logits and hidden state."""
+        n = len(level)
+        before = len(expanded)
+        expanded.extend(level)
+        slot = {node: i for i, node in enumerate(expanded)}
+        mask = torch.zeros(n, len(expanded), dtype=torch.bool)
+        for row, node in enumerate(level):
+            a = node
+            while a > 0:
+                mask[row, slot[a]] = True
+                a = parents[a]
+        step = self.state.step(
+            torch.cat([hidden_of[parents[node]] for node in level], dim=1),
+            torch.stack([tokens[node] for node in level]).view(1, n),
+            torch.full((1, n), self.committed + depth_of_level - 1, dtype=torch.long, device=self.device),
+            tree_mask=mask.to(self.device))
+        for row, node in enumerate(level):
+            outputs[node] = DraftStep(step.logits[:, row:row + 1], step.hidden[:, row:row + 1])
+            hidden_of[node] = step.hidden[:, row:row + 1]
+        assert len(expanded) - before == n
+
+    def _static(self, root, depth):
+        """The static tree cut to `depth`: depth d's nodes take the top-k ranks of their parent's output."""
+        buffers = self.buffers
+        keep = [0] + [n for n in range(1, buffers.num_nodes) if int(buffers.depths[n]) <= depth]
+        parents = [int(p) for p in buffers.parent.tolist()]
+        ranks = buffers.topk_index.tolist()
+        depths = buffers.depths.tolist()
+        tokens: list[torch.Tensor] = [root.reshape(())]
+        outputs = {0: self.state.last}
+        hidden_of = {0: self.state.last.hidden[:, -1:]}
+        expanded: list[int] = []
+        topk_of: dict[int, torch.Tensor] = {}
+        for d in range(1, depth + 1):
+            level = [n for n in keep if depths[n] == d]
+            for node in level:
+                parent = parents[node]
+                if parent not in topk_of:
+                    logits = self.state.draft.to_target_logits(outputs[parent].logits[0, -1])
+                    topk_of[parent] = logits.topk(self.topk).indices
+                tokens.append(topk_of[parent][ranks[node]])
+            has_children = {parents[n] for n in keep if depths[n] == d + 1}
+            to_expand = [n for n in level if n in has_children]
+            if to_expand:
+                self._expand(to_expand, tokens, parents, expanded, outputs, hidden_of, d)
+        index = {node: i for i, node in enumerate(keep)}
+        tree = tree_from_parents([-1] + [index[parents[n]] for n in keep[1:]], self.device)
+        return torch.stack(tokens), tree
+
+    def _dynamic(self, root, depth):
+        """EAGLE-2: grow by cumulative draft log-probability, keep the most likely `nodes - 1`."""
+        draft = self.state.draft
+        tokens: list[torch.Tensor] = [root.reshape(())]
+        parents, scores, depths = [-1], [0.0], [0]
+        outputs = {0: self.state.last}
+        hidden_of = {0: self.state.last.hidden[:, -1:]}
+        expanded: list[int] = []
+        frontier = [0]
+        k = self.topk
+        for d in range(1, depth + 1):
+            logprobs = torch.stack([draft.to_target_logits(outputs[node].logits[0, -1]).float().log_softmax(-1)
+                                    for node in frontier])                         # [F, V]
+            top = logprobs.topk(k, dim=-1)
+            cumulative = torch.tensor([scores[node] for node in frontier], device=top.values.device)[:, None]
+            cand = (cumulative + top.values).flatten()                              # [F * k]
+            values = cand.tolist()  # the tree's shape depends on these: one sync per depth
+            children = []
+            for i, score in enumerate(values):
+                parent = frontier[i // k]
+                tokens.append(top.indices[i // k, i % k])
+                parents.append(parent)
+                scores.append(score)
+                depths.append(d)
+                children.append(len(tokens) - 1)
+            if d == depth:
+                break
+            frontier = sorted(children, key=lambda n: (-scores[n], n))[:k]
+            self._expand(sorted(frontier), tokens, parents, expanded, outputs, hidden_of, d)
+            frontier = sorted(frontier)
+        # The nodes - 1 most likely candidates (ties: shallower first, then earlier), in an order
+        # where parents precede children: by depth, then by creation.
+        chosen = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n], n))[:self.nodes - 1]
+        chosen = sorted(chosen, key=lambda n: (depths[n], n))
+        index = {0: 0, **{node: i + 1 for i, node in enumerate(chosen)}}
+        tree = tree_from_parents([-1] + [index[parents[n]] for n in chosen], self.device)
+        return torch.stack([tokens[0]] + [tokens[n] for n in chosen]), tree
+
+
+def eagle3_decoder(target, draft: Eagle3Draft, *, num_draft_tokens: int, tree: str | list[Path] = "chain",
+                  tree_nodes: int = 32, tree_topk: int = 4, temperature: float = 0.0, top_p: float = 1.0,
+                  eos_token_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
+                  record_margins: bool = False):
+    """The decoder for an EAGLE-3 draft. `tree`: "chain" (K drafts in a row; the only choice when
+    sampling), "dynamic" (EAGLE-2, `tree_nodes` nodes, K deep, expanding `tree_topk` nodes per
+    depth), or a static tree as Medusa paths. `target`: a cached LM or an HF model."""
+    lm = as_cached_lm(target)
+    if isinstance(lm, StaticLM) and not isinstance(draft, CachedEagle3Draft):
+        draft = cached_draft_for(lm, draft, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
+                                 tree_topk=tree_topk)
+    if temperature > 0 or tree == "chain":
+        proposer = Eagle3Proposer(draft, lm.device, temperature, top_p, generator)
+        return ChainDecoder(lm, proposer, num_draft_tokens=num_draft_tokens, temperature=temperature,
+                                  top_p=top_p, eos_token_ids=eos_token_ids, generator=generator,
+                                  record_margins=record_margins)
+    if tree == "dynamic":
+        drafter = Eagle3TreeDrafter(draft, lm.device, depth=num_draft_tokens, topk=tree_topk, nodes=tree_nodes)
+    else:
+        drafter = Eagle3TreeDrafter(draft, lm.device, paths=[p for p in tree if len(p) <= num_draft_tokens])
+    return TreeDecoder(lm, drafter, eos_token_ids=eos_token_ids, record_margins=record_margins)
+
+
+def cached_draft_for(target_lm, draft: Eagle3Draft, *, num_draft_tokens: int, tree_nodes: int = 0,
+                     tree_topk: int = 0, compile: bool | None = None) -> CachedEagle3Draft:
+    """The draft on the target's engine: static beside a static target (compiled with it), with
+    room for the target's cache plus the most entries one drafting pass adds (a bound for any tree)."""
+    if not isinstance(target_lm, StaticLM):
+        return CachedEagle3Draft(draft)
+    extra = num_draft_tokens + max(tree_nodes, 0) + num_draft_tokens * max(tree_topk, 0)
+    return CachedEagle3Draft(draft, "static", capacity=target_lm.capacity + extra,
+                        compile=target_lm.compile if compile is None else compile)
+
+
+__all__ = ["eagle3_decoder", "Eagle3Proposer", "Eagle3DraftCache", "Eagle3TreeDrafter", "cached_draft_for"]

@@ -1,0 +1,168 @@
+"""Medusa decoding (batch size 1): the target drafts for itself through its Medusa heads.
+
+The heads read the target's final hidden state at the last cached position t: head i guesses
+the token at t + 2 + i, i.e. the token i + 1 places after `pending` (the target itself predicts
+the one right after `pending`, inside the verification pass). Both decoders below ask the target
+for that state (`hidden_layers = (L,)`) in the passes they run anyway.
+
+Greedy (Medusa-1): `MedusaDrafter` fills a static candidate tree with the heads' top-k tokens and
+`TreeDecoder` verifies it in ONE target forward (see `decoding.tree`).
+
+Sampling: `MedusaProposer` drafts a chain of one token per head, d_i ~ q_i = head i's
+distribution, which `ChainDecoder` verifies with the standard rejection rule (lossless;
+q_i ignores the earlier drafts, which the rule allows).
+
+Either way every emitted token comes out of a verification forward (prefill covers prompt[:-1]
+and emits nothing): a step emits its accepted drafts plus one target token, so `Generation`'s
+accepted_lengths count head tokens accepted per target forward, and tau = new tokens / steps.
+`proposed_lengths` counts draft *positions* (the depth of the tree used), not tree nodes, so
+acceptance_rate and per-position acceptance compare with chain drafters: position i is head
+i - 1's token, so per-position acceptance is per-head acceptance. The tree's node count (what
+the target verifies per step besides the root) is `num_tree_nodes - 1`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import UserError
+from ...medusa.model import MedusaHeads
+from ...trees import Path, StaticTree, chain_tree, default_tree, static_tree
+from ..chain import ChainDecoder, Proposer
+from ..engines import as_cached_lm
+from ..tree import TreeDecoder, TreeDrafter
+from ..verify import probabilities, sample
+
+
+def tree_candidates(root_token, head_topk_tokens: torch.Tensor, tree: StaticTree) -> torch.Tensor:
+    """The token of every node, LongTensor [N]: the root token, then head_topk_tokens[depth-1, k]."""
+    num_heads, k = head_topk_tokens.shape
+    if num_heads < tree.max_depth or k < tree.topk:
+        raise ValueError(f"the tree needs top-{tree.topk} tokens from {tree.max_depth} heads, "
+                         f"got top-{k} from {num_heads}")
+    heads = tree.head_index.to(head_topk_tokens.device)
+    ranks = tree.topk_index.to(head_topk_tokens.device)
+    root = torch.as_tensor(root_token, device=head_topk_tokens.device).reshape(1)
+    return torch.cat([root, head_topk_tokens[heads[1:], ranks[1:]]])
+
+
+def head_logits(heads: MedusaHeads, hidden: torch.Tensor, num: int, device) -> torch.Tensor:
+    """Logits [num, V] of the first `num` heads at one position (hidden [H])."""
+    weight = heads.lm_heads[0].weight
+    hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+    with torch.inference_mode():
+        logits = torch.stack([heads.forward_head(i, hidden) for i in range(num)])
+    return logits.to(device)
+
+
+class MedusaDrafter(TreeDrafter):
+    """Medusa heads on a static tree (cut shallower near the token budget)."""
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, buffers: StaticTree, num_layers: int, device):
+        self.heads = heads
+        self.buffers = buffers
+        self.hidden_layers = (num_layers,)
+        self.device = torch.device(device)
+        self.hidden = None  # the target's last hidden state at the last cached position
+        self._trees: dict[int, StaticTree] = {}  # depth-limited trees, on the device
+
+    @property
+    def max_depth(self) -> int:
+        return self.buffers.max_depth
+
+    @property
+    def max_nodes(self) -> int:
+        return self.buffers.num_nodes
+
+    @property
+    def paths(self) -> list[Path]:
+        return list(self.buffers.paths)
+
+    def _tree(self, depth: int) -> StaticTree:
+        """The tree cut to `depth` (prefix-closed), so no step drafts past max_new_tokens."""
+        depth = min(depth, self.buffers.max_depth)
+        if depth not in self._trees:
+            paths = [p for p in self.buffers.paths if len(p) <= depth]
+            self._trees[depth] = static_tree(paths).to(self.device)
+        return self._trees[depth]
+
+    def reset(self, prompt, hidden=None):
+        self.hidden = hidden[-1] if hidden is not None and len(hidden) else None
+
+    def draft(self, root, depth):
+        if self.hidden is None:  # a one-token prompt: nothing for the heads to read yet
+            depth = 0
+        tree = self._tree(depth)
+        if tree.max_depth == 0:
+            return root.reshape(1), tree
+        topk = head_logits(self.heads, self.hidden, tree.max_depth, self.device).topk(tree.topk, dim=-1).indices
+        return tree_candidates(root, topk, tree), tree
+
+    def commit(self, nodes, accepted, bonus, hidden=None):
+        self.hidden = hidden[-1]
+
+
+class MedusaProposer(Proposer):
+    """Sampling: one token per head, drawn from the head's own distribution."""
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, num_layers: int, device, temperature: float, top_p: float,
+                 generator: torch.Generator | None):
+        self.heads = heads
+        self.hidden_layers = (num_layers,)
+        self.device = torch.device(device)
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.hidden = None
+        self.empty = torch.empty(0, dtype=torch.long, device=self.device)
+
+    def reset(self, prompt, hidden=None):
+        self.hidden = hidden[-1] if hidden is not None and len(hidden) else None
+
+    def propose(self, k, sequence):
+        if self.hidden is None or k == 0:
+            return self.empty, None
+        q = probabilities(head_logits(self.heads, self.hidden, k, self.device), self.temperature, self.top_p)
+        return sample(q, self.generator), q
+
+    def commit(self, n_accepted, emitted, hidden=None):
+        self.hidden = hidden[-1]
+
+
+def check_heads(target, heads: MedusaHeads) -> None:
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    cfg = heads.config
+    if (cfg.vocab_size, cfg.hidden_size) != (vocab, hidden):
+        raise UserError(f"the Medusa heads are for vocab {cfg.vocab_size} x hidden {cfg.hidden_size} but the "
+                        f"target has vocab {vocab} x hidden {hidden}; use heads trained on this target")
+
+
+def medusa_decoder(target, heads: MedusaHeads, *, tree: list[Path] | None = None, temperature: float = 0.0,
+                  top_p: float = 1.0, eos_token_ids: set[int] = frozenset(),
+                  generator: torch.Generator | None = None, record_margins: bool = False):
+    """The decoder for Medusa heads: a `TreeDecoder` (greedy) or a `ChainDecoder` (sampling).
+
+    `tree`: Medusa paths (default: DEFAULT_TREE cut to the number of heads). With temperature > 0
+    only its depth is used: the heads draft a chain that deep. `target`: a cached LM or an HF model.
+    """
+    lm = as_cached_lm(target)
+    check_heads(lm.model, heads)
+    num_heads = heads.config.num_heads
+    paths = default_tree(num_heads) if tree is None else [tuple(p) for p in tree]
+    buffers = static_tree(paths)  # validates the paths
+    if buffers.max_depth > num_heads:
+        raise UserError(f"the Medusa tree is {buffers.max_depth} deep but the heads have only "
+                        f"{num_heads}; pass a tree of depth <= {num_heads}")
+    if temperature > 0:
+        proposer = MedusaProposer(heads, lm.num_layers, lm.device, temperature, top_p, generator)
+        return ChainDecoder(lm, proposer, num_draft_tokens=buffers.max_depth, temperature=temperature,
+                                  top_p=top_p, eos_token_ids=eos_token_ids, generator=generator,
+                                  record_margins=record_margins)
+    if buffers.paths != chain_tree(buffers.max_depth) and not lm.supports_trees:
+        attn = getattr(lm.model.config, "_attn_implementation", None)
+        raise UserError(f"tree decoding needs an attention kernel that accepts custom masks, but the target "
+                        f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
+    return TreeDecoder(lm, MedusaDrafter(heads, buffers, lm.num_layers, lm.device), eos_token_ids=eos_token_ids,
+                       record_margins=record_margins)

@@ -1,0 +1,119 @@
+"""Batched generation on the static engine: the target's answers for the recipes.
+
+B left-padded prompts decode together on one preallocated cache: row b's padding slots are
+masked out of every attention (`key_valid`), its positions count its own tokens only, and every
+row writes its next token at the same cache slot, so one fixed-shape [B, 1] step (compiled and
+captured as a CUDA graph on CUDA) serves the whole answer. Rows stop at their own EOS; the batch
+stops when all rows have (or at max_new_tokens), and what a finished row generated after its EOS
+is cut. Greedy rows equal each prompt decoded alone; sampled rows follow the target's
+temperature/top-p distribution with a seeded generator.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...errors import UserError
+from ...tokens import cut_at_eos
+from ..verify import probabilities, sample
+from .base import synchronize
+from .compiled import WARMUP_RUNS
+from .static import StaticLM
+
+
+class BatchGenerator:
+    def __init__(self, model, *, batch_size: int, max_length: int, compile: bool | None = None):
+        """`max_length`: the longest prompt plus max_new_tokens this generator will see."""
+        self.lm = StaticLM(model, max_length=max_length, compile=compile, batch_size=batch_size)
+        self.batch_size = batch_size
+        self.device = self.lm.device
+        self._warm = False
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.lm.compile_seconds
+
+    def _decode_step(self, tokens, positions, key_valid):
+        logits, _ = self.lm.run(tokens[:, None], positions[:, None], self.lm.causal(1), key_valid=key_valid,
+                                compiled=True)
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def warmup(self) -> float:
+        """Compile and capture the [B, 1] decode step once; returns the seconds spent."""
+        if self._warm or not self.lm.compile:
+            return 0.0
+        start = time.perf_counter()
+        B = self.batch_size
+        tokens = torch.zeros(B, dtype=torch.long, device=self.device)
+        key_valid = torch.ones(B, self.lm.capacity, dtype=torch.bool, device=self.device)
+        self.lm.length = 0
+        for _ in range(WARMUP_RUNS):
+            self._decode_step(tokens, tokens, key_valid)
+        self.lm.reset()
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.lm.compile_seconds += seconds
+        self._warm = True
+        return seconds
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                 eos_token_ids, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None, topk: int = 0):
+        """Left-padded `input_ids`/`attention_mask` [b, W] (b <= batch size) -> (new tokens per row,
+        each cut after its first EOS; top-k log-probs [b, steps, k] and their ids, float32/long on
+        the CPU, or None): the target's raw (temperature 1) log-softmax at each generated position."""
+        b, width = input_ids.shape
+        B = self.batch_size
+        if b > B:
+            raise ValueError(f"{b} prompts do not fit a batch of {B}")
+        if width + max_new_tokens > self.lm.max_length:
+            raise UserError(f"a prompt of {width} tokens plus {max_new_tokens} new exceeds the generator's "
+                            f"max_length {self.lm.max_length}; build it with a larger max_length")
+        self.warmup()
+        valid = attention_mask.to(self.device).bool()
+        tokens = input_ids.to(self.device)
+        if b < B:  # fixed shapes: pad the batch with rows of one (masked) token
+            tokens = torch.cat([tokens, tokens.new_zeros(B - b, width)])
+            valid = torch.cat([valid, valid.new_zeros(B - b, width)])
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        key_valid = torch.ones(B, self.lm.capacity, dtype=torch.bool, device=self.device)
+        key_valid[:, :width] = valid
+        eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
+
+        self.lm.reset()
+        logits, _ = self.lm.run(tokens, positions, self.lm.causal(width), key_valid=key_valid)  # prefill
+        self.lm.length = width
+        last = logits[:, -1]
+        position = positions[:, -1] + 1
+        finished = torch.zeros(B, dtype=torch.bool, device=self.device)
+        finished[b:] = True
+        generated, top_values, top_ids = [], [], []
+        for step in range(max_new_tokens):
+            if temperature == 0:
+                token = last.argmax(dim=-1)
+            else:
+                token = sample(probabilities(last, temperature, top_p), generator)
+            if topk:
+                logprobs = last.to(torch.promote_types(last.dtype, torch.float32)).log_softmax(-1)
+                values, ids = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
+                top_values.append(values)
+                top_ids.append(ids)
+            generated.append(token)
+            finished |= torch.isin(token, eos)
+            if step + 1 == max_new_tokens or bool(finished.all()):  # the step's one host sync
+                break
+            last = self._decode_step(token, position, key_valid)
+            self.lm.length += 1
+            position = position + 1
+        rows = torch.stack(generated, dim=1)[:b].tolist()
+        cut = [cut_at_eos(r, eos_token_ids) for r in rows]
+        if not topk:
+            return cut, None, None
+        values = torch.stack(top_values, dim=1)[:b].float().cpu()
+        ids = torch.stack(top_ids, dim=1)[:b].cpu()
+        return cut, values, ids
+

@@ -1,0 +1,112 @@
+"""The eager cached LM: the model's own forward on transformers' DynamicCache.
+
+The reference every other engine is tested against, and the fallback for any architecture and
+device. Rollback crops the cache; a tree pass hands the model a 4-D additive mask and explicit
+positions; `compact` gathers the accepted path's entries (`compact_cache`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import UserError
+from ...trees import Tree
+from .base import CachedLM, select_hidden
+
+MASKABLE_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
+
+
+class EagerLM(CachedLM):
+    engine = "eager"
+
+    def __init__(self, model, *, max_length: int | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_length = max_length
+        self.cache = None
+        self.length = 0  # tokens held in the cache
+
+    @property
+    def supports_trees(self) -> bool:
+        attn = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        return attn in MASKABLE_ATTENTION
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        try:
+            self.cache = DynamicCache(config=self.model.config)
+        except TypeError:  # older signature
+            self.cache = DynamicCache()
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, *, tree: Tree | None = None, hidden_layers: tuple[int, ...] = ()):
+        n = tokens.numel()
+        self._check_room(n)
+        mask = positions = None
+        if tree is not None and not _is_chain(tree):  # a chain is causal: the model's own mask is right
+            if not self.supports_trees:
+                attn = getattr(self.model.config, "_attn_implementation", None)
+                raise UserError(f"tree decoding needs an attention kernel that accepts custom masks, but the target "
+                                f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
+            mask, positions = tree_attention_inputs(tree, self.length, self.device, self.model.dtype)
+        out = self.model(input_ids=tokens.view(1, -1), past_key_values=self.cache, use_cache=True,
+                         attention_mask=mask, position_ids=positions,
+                         output_hidden_states=bool(hidden_layers))
+        self.cache = out.past_key_values
+        self.length += n
+        hidden = select_hidden([h[0] for h in out.hidden_states], hidden_layers) if hidden_layers else None
+        return out.logits[0], hidden
+
+    def rollback(self, length: int) -> None:
+        self._check_rollback(length)
+        drop = self.length - length
+        if drop:
+            self.cache.crop(-drop)  # a negative count works on every transformers 5.x
+            self.length = length
+
+    def compact(self, past_len: int, nodes) -> None:
+        nodes = [int(n) for n in nodes]
+        self._check_compact(past_len, nodes)
+        if nodes != list(range(len(nodes))):  # an accepted chain prefix is already in place
+            compact_cache(self.cache, past_len, nodes)
+            self.length = past_len + len(nodes)
+        else:
+            self.rollback(past_len + len(nodes))
+
+
+def _is_chain(tree: Tree) -> bool:
+    return tree.parents == [-1] + list(range(tree.num_nodes - 1))
+
+
+def tree_attention_inputs(tree: Tree, past_len: int, device=None,
+                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive mask [1, 1, N, past_len + N] and position ids [1, N] for an eager tree pass.
+
+    Node n sees every cached position and its tree ancestors, and sits at position
+    past_len + depth(n) (siblings share a position, exactly as if each path were decoded alone).
+    """
+    N = tree.num_nodes
+    allowed = torch.cat([torch.ones(N, past_len, dtype=torch.bool), tree.attention_mask.cpu()], dim=1)
+    mask = torch.zeros(N, past_len + N, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    position_ids = (tree.depths.cpu() + past_len).unsqueeze(0)
+    return mask[None, None].to(device), position_ids.to(device)
+
+
+def compact_cache(cache, past_len: int, keep_node_indices) -> None:
+    """DynamicCache version of `CachedLM.compact`: keep the prefix and the kept nodes' entries, in
+    place, in the given order (`EagerLM.compact` calls this; nothing else touches a cache)."""
+    keep = torch.as_tensor(list(keep_node_indices), dtype=torch.long)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) or hasattr(layer, "cumulative_length"):
+            raise NotImplementedError("compact_cache supports full-attention DynamicCache layers only")
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue  # uninitialised layer (e.g. KV sharing)
+        if keep.numel() and (int(keep.min()) < 0 or past_len + int(keep.max()) >= layer.keys.shape[-2]):
+            raise ValueError(f"node indices {keep.tolist()} out of range for a cache of "
+                             f"{layer.keys.shape[-2]} entries with past_len={past_len}")
+        index = torch.cat([torch.arange(past_len), past_len + keep]).to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)

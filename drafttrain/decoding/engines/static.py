@@ -1,0 +1,301 @@
+"""The static cached LM: a preallocated KV cache and fixed-shape compiled steps.
+
+The model's own submodules do all the work (embedding, norms, q/k/v/o projections with their
+biases, Qwen3's q/k norms, the MLPs, the final norm and the LM head; rotary cos/sin come from the
+model's rotary module, tabulated once for every slot). Only the attention core is ours: SDPA
+over the whole preallocated cache with a boolean mask computed from tensor inputs, so the same
+compiled graph serves every cache length. The mask lets a query see
+
+- every slot before the first new token (the cached prefix),
+- inside the new block, what `block_mask` allows (causal for a chain, ancestors for a tree),
+- itself (so a left-padding position never has an empty row),
+
+and nothing at or after the block's end, which is what makes rollback free: forgetting tokens
+moves `length`, and the stale entries past it are never read before they are overwritten.
+
+Steps of a registered size (`warmup`) run compiled (`torch.compile(fullgraph=True,
+dynamic=False)`, `mode="reduce-overhead"` on CUDA: one CUDA graph per size). A shorter input is
+padded to the next registered size: the padding sits after the real tokens, causal masking
+hides it from them, its logits are dropped and `length` advances by the real count only.
+Positions, cache slots and masks are tensors, never Python ints inside the graph, or every new
+length would recompile. Prefill (any length) runs the same function uncompiled.
+
+Grouped-query attention without copying the cache: the G query heads that share a KV head are
+stacked along the query axis ([B, kv_heads, G * n, d]), so SDPA reads each cached K/V once.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import UserError
+from ...models import is_sharded_module
+from ...trees import Tree
+from .base import CachedLM, device_tensor, synchronize
+from .compiled import WARMUP_RUNS, CompiledStep
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
+
+
+def static_support(model, max_length: int | None = None) -> str | None:
+    """None when the static engine reproduces this model exactly; else why not (for an error)."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", None)
+    arch = ", ".join(getattr(cfg, "architectures", None) or [type(model).__name__])
+    if is_sharded_module(model):
+        return "the model's weights are sharded across ranks (FSDP/ZeRO-3), gathered only inside its own forward"
+    if kind not in SUPPORTED_ARCHITECTURES:
+        return f"the static engine supports {', '.join(SUPPORTED_ARCHITECTURES)} models, not {arch} ({kind})"
+    body = getattr(model, "model", None)
+    if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{arch} does not have the expected model.embed_tokens/layers/norm/rotary_emb modules"
+    rope = getattr(body.rotary_emb, "rope_type", "default")
+    if not isinstance(rope, str) or rope not in STATIC_ROPE_TYPES:
+        return f"{arch} uses {rope!r} rotary embeddings, which change with the sequence length"
+    window = getattr(cfg, "sliding_window", None)
+    sliding = window is not None and (kind == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or []))
+    if sliding and (max_length is None or max_length > window):
+        return (f"{arch} uses sliding-window attention (window {window}), which the static engine does not "
+                f"implement beyond the window (max_length {max_length})")
+    return None
+
+
+class StaticCache(nn.Module):
+    """Per-layer K and V buffers [batch, kv_heads, capacity, head_dim] and the rotary tables."""
+
+    def __init__(self, model, capacity: int, batch_size: int = 1):
+        super().__init__()
+        cfg = model.config
+        body = model.model
+        weight = body.embed_tokens.weight
+        attn = body.layers[0].self_attn
+        self.num_layers = len(body.layers)
+        self.kv_heads = cfg.num_key_value_heads
+        self.heads = cfg.num_attention_heads
+        self.head_dim = attn.head_dim
+        self.capacity = capacity
+        shape = (batch_size, self.kv_heads, capacity, self.head_dim)
+        for i in range(self.num_layers):
+            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=weight.dtype, device=weight.device), persistent=False)
+            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=weight.dtype, device=weight.device), persistent=False)
+        self.keys = [getattr(self, f"k{i}") for i in range(self.num_layers)]
+        self.values = [getattr(self, f"v{i}") for i in range(self.num_layers)]
+        for t in self.keys + self.values:
+            torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs replay in place
+        with torch.no_grad():
+            probe = torch.zeros(1, 1, self.head_dim, dtype=weight.dtype, device=weight.device)
+            cos, sin = body.rotary_emb(probe, torch.arange(capacity, device=weight.device)[None])
+        self.register_buffer("cos", cos[0].contiguous(), persistent=False)  # [capacity, head_dim]
+        self.register_buffer("sin", sin[0].contiguous(), persistent=False)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def attention_mask(slots: torch.Tensor, block_mask: torch.Tensor, capacity: int,
+                   key_valid: torch.Tensor | None) -> torch.Tensor:
+    """Bool [B or 1, 1, n, capacity]: who each new token may attend to (see the module doc)."""
+    n = slots.shape[0]
+    rel = torch.arange(capacity, device=slots.device) - slots[0]        # key slot relative to the block
+    in_block = (rel >= 0) & (rel < n)
+    allowed = (block_mask[:, rel.clamp(0, n - 1)] & in_block) | (rel < 0)  # [n, capacity]
+    if key_valid is not None:  # left padding of a batch: padding keys are never read
+        allowed = allowed[None] & key_valid[:, None, :]
+    else:
+        allowed = allowed[None]
+    allowed = allowed | (rel[None, None, :] == torch.arange(n, device=slots.device)[None, :, None])
+    return allowed[:, None]
+
+
+def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                block_mask: torch.Tensor, key_valid: torch.Tensor | None, hidden_layers: tuple[int, ...] = ()):
+    """tokens/positions [B, n], slots [n], block_mask [n, n] -> (logits [B, n, V], hidden [B, n, D] or None).
+
+    Writes the n tokens' K/V at `slots` of every layer. The one function both compiled and
+    uncompiled steps run.
+    """
+    body = model.model
+    B, n = tokens.shape
+    G = cache.heads // cache.kv_heads
+    d = cache.head_dim
+    x = body.embed_tokens(tokens)
+    picked = {0: x} if 0 in hidden_layers else {}
+    cos = cache.cos[positions].unsqueeze(1)  # [B, 1, n, d]
+    sin = cache.sin[positions].unsqueeze(1)
+    mask = attention_mask(slots, block_mask, cache.capacity, key_valid).repeat(1, 1, G, 1)  # [B, 1, G*n, cap]
+    for i, layer in enumerate(body.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(B, n, -1, d)
+        k = attn.k_proj(h).view(B, n, -1, d)
+        v = attn.v_proj(h).view(B, n, -1, d).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.keys[i].index_copy_(2, slots, k)
+        cache.values[i].index_copy_(2, slots, v)
+        q = q.reshape(B, cache.kv_heads, G * n, d)  # query head j*G + g reads KV head j
+        o = F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=attn.scaling)
+        o = o.view(B, cache.heads, n, d).transpose(1, 2).reshape(B, n, cache.heads * d)
+        x = x + attn.o_proj(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i + 1 in hidden_layers and i + 1 < cache.num_layers:
+            picked[i + 1] = x
+    x = body.norm(x)
+    if cache.num_layers in hidden_layers:
+        picked[cache.num_layers] = x
+    logits = model.lm_head(x)
+    if not hidden_layers:
+        return logits, None
+    hidden = [picked[i] for i in hidden_layers]
+    return logits, (hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=-1))
+
+
+def move_entries(cache: StaticCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every layer's entries at slots `src` copied to slots `dst` (gathered first: overlap is fine)."""
+    for k, v in zip(cache.keys, cache.values):
+        k.index_copy_(2, dst, k.index_select(2, src))
+        v.index_copy_(2, dst, v.index_select(2, src))
+
+
+class StaticLM(CachedLM):
+    engine = "static"
+
+    def __init__(self, model, *, max_length: int, compile: bool | None = None, batch_size: int = 1):
+        """`compile` None: on for CUDA, off elsewhere (CPU steps run the same code uncompiled)."""
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        reason = static_support(model, max_length)
+        if reason:
+            raise UserError(f"--engine static: {reason}; use --engine eager")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_length = max_length
+        self.batch_size = batch_size
+        capacity = -(-max_length // 16) * 16  # aligned rows suit the fused attention kernels
+        self.cache = StaticCache(model, capacity, batch_size)
+        self.compile = self.device.type == "cuda" if compile is None else bool(compile)
+        self.cudagraphs = self.compile and self.device.type == "cuda"
+        self.sizes: list[int] = []   # registered step sizes (buckets), ascending
+        self.keep_width = 0          # registered width of compiled compaction (0: eager)
+        self.compile_seconds = 0.0
+        self.length = 0
+        self._steps: dict = {}
+        self._move = None
+        self._causal: dict[int, torch.Tensor] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def reset(self) -> None:
+        self.length = 0  # stale entries are masked until overwritten
+
+    # -- the compiled steps ---------------------------------------------------------------------
+
+    def _step_fn(self, hidden_layers: tuple[int, ...], compiled: bool):
+        step = functools.partial(static_step, self.model, self.cache, hidden_layers=hidden_layers)
+        if not compiled:
+            return step
+        if hidden_layers not in self._steps:
+            self._steps[hidden_layers] = CompiledStep(step, self.device)
+        return self._steps[hidden_layers]
+
+    def causal(self, n: int) -> torch.Tensor:
+        if n not in self._causal:
+            self._causal[n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        return self._causal[n]
+
+    @torch.no_grad()
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, block_mask: torch.Tensor, *,
+            key_valid: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (), compiled: bool = False):
+        """One step at slots length .. length + n - 1 ([B, n] inputs). Does not move `length`."""
+        n = tokens.shape[1]
+        slots = torch.arange(self.length, self.length + n, device=self.device)
+        fn = self._step_fn(tuple(hidden_layers), compiled and self.compile)
+        return fn(tokens, positions, slots, block_mask, key_valid)
+
+    def _bucket(self, n: int) -> int | None:
+        for size in self.sizes:
+            if size >= n and self.length + size <= self.capacity:
+                return size
+        return None
+
+    def forward(self, tokens: torch.Tensor, *, tree: Tree | None = None, hidden_layers: tuple[int, ...] = ()):
+        n = tokens.numel()
+        self._check_room(n)
+        size = self._bucket(n)
+        width = size or n
+        if width > n:  # padding after the real tokens, each padding row seeing only itself
+            tokens = F.pad(tokens, (0, width - n))
+        if tree is None:
+            positions = torch.arange(self.length, self.length + width, device=self.device)
+            block = self.causal(width)
+        else:
+            positions = tree.depths.to(self.device) + self.length
+            block = tree.attention_mask.to(self.device)
+            if width > n:
+                positions = F.pad(positions, (0, width - n), value=self.length)
+                block = F.pad(block, (0, width - n, 0, width - n)) | torch.eye(width, dtype=torch.bool, device=self.device)
+        logits, hidden = self.run(tokens.view(1, -1), positions.view(1, -1), block,
+                                  hidden_layers=tuple(hidden_layers), compiled=size is not None)
+        self.length += n
+        return logits[0, :n], (hidden[0, :n] if hidden is not None else None)
+
+    def rollback(self, length: int) -> None:
+        self._check_rollback(length)
+        self.length = length
+
+    @torch.no_grad()
+    def compact(self, past_len: int, nodes) -> None:
+        nodes = [int(n) for n in nodes]
+        self._check_compact(past_len, nodes)
+        m = len(nodes)
+        if nodes != list(range(m)):  # an accepted chain prefix is already in place
+            src, dst = [past_len + i for i in nodes], [past_len + i for i in range(m)]
+            compiled = self._move is not None and m <= self.keep_width and past_len + self.keep_width <= self.capacity
+            if compiled:  # fixed width: repeat the last pair (same value written twice)
+                src += [src[-1]] * (self.keep_width - m)
+                dst += [dst[-1]] * (self.keep_width - m)
+            move = self._move if compiled else functools.partial(move_entries, self.cache)
+            move(device_tensor(src, self.device), device_tensor(dst, self.device))
+        self.length = past_len + m
+
+    # -- warm-up ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def warmup(self, sizes, *, hidden_layers: tuple[int, ...] = (), keep_width: int = 0) -> float:
+        """Register `sizes` as step buckets and compile/capture each (three runs: CUDA graph trees
+        warm up, record, then replay). Returns the seconds spent, also added to `compile_seconds`.
+        Runs dummy steps through the cache, so it ends with `reset()`: call it between generations."""
+        sizes = sorted({int(s) for s in sizes if 0 < int(s) <= self.capacity})
+        start = time.perf_counter()
+        self.length = 0
+        for size in sizes:
+            tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
+            positions = torch.arange(size, device=self.device)[None]
+            for _ in range(WARMUP_RUNS if self.compile else 1):
+                self.run(tokens, positions, self.causal(size), hidden_layers=tuple(hidden_layers), compiled=True)
+        if keep_width and self.compile and keep_width <= self.capacity:
+            if self._move is None or keep_width != self.keep_width:
+                self._move = CompiledStep(functools.partial(move_entries, self.cache), self.device)
+            src = torch.arange(keep_width, device=self.device)
+            # two tensors, as compact() passes: the same one twice compiles an aliasing guard
+            self._move.warm(src, src.clone())
+            self.keep_width = keep_width
+        self.sizes = sorted(set(self.sizes) | set(sizes))
+        self.reset()
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        return seconds

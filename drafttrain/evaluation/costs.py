@@ -1,0 +1,69 @@
+"""What one decoding step costs on this machine, measured on the run's engines.
+
+A drafter's cost beside the target's (the report's `cost_ratio`, behind its predicted speedup)
+is the median of repeated steps, bracketed by device synchronisation, after warm-up.
+"""
+
+from __future__ import annotations
+
+import time
+from statistics import median
+
+import torch
+
+from ..decoding import CachedLM, Generation
+from ..decoding.drafters.eagle3 import Eagle3DraftCache
+from ..decoding.drafters.eagle3_cache import CachedEagle3Draft
+from ..decoding.engines import device_tensor, synchronize
+from ..eagle3.model import Eagle3Draft
+
+
+def timed_generate(decoder, prompt: list[int], max_new: int) -> tuple[Generation, float]:
+    synchronize(decoder.device)
+    start = time.perf_counter()
+    gen = decoder.generate(prompt, max_new)
+    synchronize(decoder.device)
+    return gen, time.perf_counter() - start
+
+
+def single_token_seconds(lm: CachedLM, prompt: list[int], repeats: int = 10) -> float:
+    """Median time of one cached single-token forward at this prompt's length, on the run's engine."""
+    lm.warmup([1])
+    lm.reset()
+    lm.forward(device_tensor(prompt[:-1], lm.device))
+    one = device_tensor(prompt[-1:], lm.device)
+    times = []
+    for _ in range(repeats + 2):
+        synchronize(lm.device)
+        start = time.perf_counter()
+        lm.forward(one)
+        synchronize(lm.device)
+        times.append(time.perf_counter() - start)
+        lm.rollback(lm.length - 1)
+    return median(times[2:])
+
+
+def eagle3_step_seconds(draft: Eagle3Draft | CachedEagle3Draft, target_lm: CachedLM, prompt: list[int],
+                        repeats: int = 10) -> float:
+    """Median time of one EAGLE-3 chain drafting step (one token through the draft layer and its
+    head, on the draft's engine), after feeding the prompt's target features: the draft's share
+    of a chain step."""
+    state = Eagle3DraftCache(draft, target_lm.device)
+    draft = state.draft
+    state.engine.warmup([(1, 1)])
+    target_lm.reset()
+    _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device),
+                                  hidden_layers=tuple(draft.config.aux_layer_ids))
+    state.reset(prompt, hidden)
+    token = device_tensor(prompt[-1:], target_lm.device).view(1, 1)
+    position = torch.full((1, 1), state.length, dtype=torch.long, device=target_lm.device)
+    times = []
+    for _ in range(repeats + 2):
+        synchronize(target_lm.device)
+        start = time.perf_counter()
+        out = state.step(state.last.hidden[:, -1:], token, position)
+        draft.to_target_logits(out.logits[0, -1]).argmax()
+        synchronize(target_lm.device)
+        times.append(time.perf_counter() - start)
+        state.cache.rollback(state.length - 1)
+    return median(times[2:])
