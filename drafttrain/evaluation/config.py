@@ -161,6 +161,8 @@ def read_tree_file(path: str) -> list:
     except (TypeError, ValueError) as e:
         raise UserError(f"--tree {path}: not a valid tree ({e}); write a JSON list of paths like [[0], [1], [0, 0]]"
                         ) from e
+    if not paths:  # an empty tree would verify no draft at all: plain decoding under a drafter's name
+        raise UserError(f"--tree {path}: the tree is empty; write at least one path, like [[0], [1], [0, 0]]")
     return paths
 
 

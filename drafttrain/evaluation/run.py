@@ -31,7 +31,7 @@ from ..eagle3.export import load_eagle3
 from ..eagle3.model import Eagle3Draft
 from ..errors import UserError
 from ..heads.export import load_medusa, read_heads_info
-from ..heads.tree import DEFAULT_TREE, chain_tree
+from ..heads.tree import DEFAULT_TREE, chain_tree, widest_choice
 from ..models import context_length, first_line, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from ..preflight import compatibility_checks, require_compatible
 from ..prompts import EncodedPrompt, encode_prompts, read_prompts
@@ -92,7 +92,34 @@ def attach_drafter(models: LoadedModels, cfg: EvalConfig, draft_tok=None) -> Loa
         models.eagle3.eval()
         models.eagle3_info = {"aux_layer_ids": list(info.aux_layer_ids), "draft_vocab_size": info.draft_vocab_size,
                               **(info.config.get("drafttrain") or {})}
+    check_tree_fits(cfg, models)
     return models
+
+
+def check_tree_fits(cfg: EvalConfig, models: LoadedModels) -> None:
+    """A tree's top-k choice index must be below the vocabulary it picks from (the heads', or the
+    EAGLE-3 draft's vocabulary), else decoding crashes at its first step; checked once the drafter
+    is loaded, before any prompt is decoded."""
+    if not cfg.greedy:  # sampling runs chains: no tree is used
+        return
+    if models.heads is not None:
+        name, paths = heads_tree(cfg.tree, models.heads_info, min(cfg.num_draft_tokens, models.heads.config.num_heads))
+        _require_choices_fit(name, paths, models.heads.config.vocab_size, "the Medusa heads'")
+    if models.eagle3 is not None:
+        name, tree = eagle3_tree(cfg)
+        vocab = models.eagle3.config.draft_vocab_size
+        if isinstance(tree, list):
+            _require_choices_fit(name, tree, vocab, "the EAGLE-3 draft's")
+        elif tree == "dynamic" and cfg.tree_topk > vocab:
+            raise UserError(f"--tree-topk {cfg.tree_topk} exceeds the EAGLE-3 draft's vocabulary of {vocab} tokens; "
+                            f"pass --tree-topk {vocab} or less")
+
+
+def _require_choices_fit(name: str, paths: list, vocab_size: int, whose: str) -> None:
+    widest = widest_choice(paths)
+    if widest >= vocab_size:
+        raise UserError(f"--tree {name}: a path takes choice {widest} (the top-{widest + 1} token), but {whose} "
+                        f"vocabulary has {vocab_size} tokens; use choice indices below {vocab_size}")
 
 
 def require_finite(module: torch.nn.Module, what: str, path: str) -> None:
@@ -310,7 +337,18 @@ def check_inputs(cfgs: list[EvalConfig]) -> None:
         cfg.validate()
         if shared_settings(cfg) != shared_settings(cfgs[0]):
             raise UserError("compared drafters must share target, prompts and decoding settings")
+    check_tree_used(cfgs)
     read_prompts(cfgs[0].prompts, cfgs[0].limit)
+
+
+def check_tree_used(cfgs: list[EvalConfig]) -> None:
+    """--tree shapes only Medusa heads' and EAGLE-3 drafts' steps: given for a run with neither, it
+    would be silently ignored, so it is an error (auto, the default, always fits)."""
+    tree = cfgs[0].tree
+    if tree != "auto" and not any(cfg.proposer_name in ("heads", "eagle3") for cfg in cfgs):
+        drafters = ", ".join(sorted({f"--method {c.method}" if c.method else f"--{c.proposer_name}" for c in cfgs}))
+        raise UserError(f"--tree {tree} shapes the steps of Medusa heads (--heads) and EAGLE-3 drafts (--eagle3), "
+                        f"not of {drafters}; leave --tree out")
 
 
 def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, progress: bool = True,

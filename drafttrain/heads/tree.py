@@ -87,3 +87,9 @@ def check_paths(paths) -> list[Path]:
         if len(p) > 1 and p[:-1] not in known:
             raise ValueError(f"tree path {p!r} has no parent {p[:-1]!r} in the tree")
     return sorted(paths, key=lambda p: (len(p), p))
+
+
+def widest_choice(paths) -> int:
+    """The largest top-k choice index in a tree: a step takes the top-(index + 1) tokens of some
+    head, so the tree needs a vocabulary of more than this many tokens."""
+    return max((i for p in paths for i in p), default=-1)
