@@ -39,7 +39,7 @@ from ..tokens import eos_token_ids, output_vocab_size
 from .config import EvalConfig, read_tree_file, shared_settings
 from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, defects, metrics_by_category
 from .outputs import prepare_output_dir, staged_output
-from .report import write_report
+from .report import prompt_digest, report_inputs, write_report
 
 
 @dataclass
@@ -402,7 +402,8 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
         for p in bar:
             baseline = timed_generate(base, p.ids, first.max_new_tokens) if base is not None else (None, None)
             for spec, rs in zip(specs, results):
-                r = PromptResult(p.id, p.category, *timed_generate(spec, p.ids, first.max_new_tokens))
+                r = PromptResult(p.id, p.category, *timed_generate(spec, p.ids, first.max_new_tokens),
+                                 extra={"prompt_sha256": prompt_digest(p.ids)})
                 r.baseline, r.baseline_seconds = baseline
                 rs.append(r)
 
@@ -447,6 +448,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, spec, results: list[Prom
         "drafter": cfg.drafter_name,
         # SPEC §2 rev 2: config.engine is the engine used; what was asked for is engine.requested.
         "config": {**dataclasses.asdict(cfg), "engine": engine["used"]},
+        "inputs": report_inputs(cfg.target),  # what `replay` checks its --target against
         "environment": environment(models.device),
         "numerics": num,
         "engine": dict(engine),
