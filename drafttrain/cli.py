@@ -40,10 +40,13 @@ def quiet_deepspeed_probe() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    quiet_deepspeed_probe()
+    """Every way out is one line: a UserError is `error: ...` and exit 2, Ctrl-C `interrupted` and
+    exit 130. The Ctrl-C handler covers start-up too: the subcommands import torch and
+    transformers, seconds in which a Ctrl-C used to end in a long KeyboardInterrupt traceback."""
+    args = None
     try:
+        args = build_parser().parse_args(argv)
+        quiet_deepspeed_probe()
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

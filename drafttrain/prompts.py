@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,24 +47,52 @@ def read_prompt_file(path: str | Path) -> list[PromptRecord]:
 
 
 def _parse_record(obj: dict, where: str, default_id: int) -> PromptRecord:
-    pid = next((obj[k] for k in ID_KEYS if k in obj), default_id)
     category = obj.get("category") or "default"
-    record = PromptRecord(id=pid, category=str(category), source=where)
-    prompt, turns, messages = obj.get("prompt"), obj.get("turns"), obj.get("messages")
-    if isinstance(prompt, str) and prompt:
-        record.text = prompt
-    elif isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0]:
-        record.messages = [{"role": "user", "content": turns[0]}]
-    elif isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in messages
-    ):
-        record.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    else:
+    record = PromptRecord(id=_record_id(obj, where, default_id), category=str(category), source=where)
+    usable = _usable_fields(obj)
+    if len(usable) > 1:
+        raise UserError(f"{where}: both {' and '.join(repr(k) for k in usable)} give a prompt, and exactly one of "
+                        "\"prompt\", \"turns\" or \"messages\" must; keep only the one to send")
+    if not usable:
         raise UserError(
             f"{where}: no usable prompt; give a non-empty \"prompt\" string, a \"turns\" list of strings, "
             "or a \"messages\" list of {\"role\", \"content\"}"
         )
+    prompt, turns, messages = obj.get("prompt"), obj.get("turns"), obj.get("messages")
+    if usable == ["prompt"]:
+        record.text = prompt
+    elif usable == ["turns"]:
+        record.messages = [{"role": "user", "content": turns[0]}]
+    else:
+        record.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     return record
+
+
+def _usable_fields(obj: dict) -> list[str]:
+    """Which of prompt / turns / messages hold a prompt: SPEC §1 wants exactly one, so a record
+    never silently sends one while the user meant another."""
+    prompt, turns, messages = obj.get("prompt"), obj.get("turns"), obj.get("messages")
+    usable = {
+        "prompt": isinstance(prompt, str) and bool(prompt),
+        "turns": isinstance(turns, list) and bool(turns) and isinstance(turns[0], str) and bool(turns[0]),
+        "messages": isinstance(messages, list) and bool(messages) and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages),
+    }
+    return [k for k, ok in usable.items() if ok]
+
+
+def _record_id(obj: dict, where: str, default_id: int) -> str | int | float:
+    """The record's id (SPEC §1). Reports write it into JSON and replay matches outputs by it, so it
+    must be a string or a finite number: NaN or infinity is not JSON, a list or object no key."""
+    key = next((k for k in ID_KEYS if k in obj), None)
+    if key is None:
+        return default_id
+    pid = obj[key]
+    finite_number = isinstance(pid, (int, float)) and not isinstance(pid, bool) and math.isfinite(pid)
+    if not (isinstance(pid, str) or finite_number):
+        raise UserError(f"{where}: \"{key}\" is {json.dumps(pid)}, not a usable id; give a string or a finite "
+                        "number")
+    return pid
 
 
 def read_prompts(paths: list[str | Path], limit: int | None = None) -> list[PromptRecord]:

@@ -103,6 +103,12 @@ def check_paths(paths) -> list[Path]:
     return sorted(paths, key=lambda p: (len(p), p))
 
 
+def widest_choice(paths) -> int:
+    """The largest top-k choice index in a tree: a step takes the top-(index + 1) tokens of some
+    drafter position, so the tree needs a vocabulary of more than this many tokens."""
+    return max((i for p in paths for i in p), default=-1)
+
+
 @dataclass
 class Tree:
     """The structure of one verification pass's N candidate tokens; node 0 is the root."""
@@ -208,6 +214,8 @@ def read_tree_file(path: str) -> list[Path]:
     except (TypeError, ValueError) as e:
         raise UserError(f"--tree {path}: not a valid tree ({e}); write a JSON list of paths like [[0], [1], [0, 0]]"
                         ) from e
+    if not paths:  # an empty tree would verify no draft at all: plain decoding under a drafter's name
+        raise UserError(f"--tree {path}: the tree is empty; write at least one path, like [[0], [1], [0, 0]]")
     return paths
 
 

@@ -363,3 +363,74 @@ def test_cli_humaneval(tmp_path, capsys):
     assert run_cli(["assets", "humaneval", "--out", str(out)]) == 0
     assert len(out.read_text().splitlines()) == 164
     assert capsys.readouterr().out.splitlines()[-1] == str(out)
+
+
+# --- write errors and bad counts are one line ------------------------------------------------
+
+
+def cli_error(argv, capsys) -> str:
+    """The one `error:` line and exit 2 of `drafttrain ARGV`, with no traceback."""
+    from drafttrain.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1 and lines[0].startswith("error:"), captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", [["humaneval"], ["stdlib", "--num", "3"]])
+@pytest.mark.parametrize("case", ["a directory", "under a file", "read-only"])
+def test_prompt_file_out_that_cannot_be_written_is_one_error_line(tmp_path, capsys, command, case):
+    (tmp_path / "file").write_text("x")
+    out = {"a directory": tmp_path, "under a file": tmp_path / "file" / "p.jsonl",
+           "read-only": Path("/proc/drafttrain-test.jsonl")}[case]  # /proc refuses new files, even to root
+    line = cli_error(["assets", *command, "--out", str(out)], capsys)
+    assert "--out" in line and {"a directory": "is a directory", "under a file": "is a file",
+                                "read-only": "not writable"}[case] in line, line
+    assert (tmp_path / "file").read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_write_that_fails_midway_is_one_error_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("drafttrain.corpus.atomic_write_jsonl", full)
+    line = cli_error(["assets", "stdlib", "--num", "3", "--out", str(tmp_path / "p.jsonl")], capsys)
+    assert "No space left" in line and not (tmp_path / "p.jsonl").exists()
+
+
+@pytest.mark.parametrize("num", ["0", "-5"])
+def test_stdlib_refuses_a_non_positive_num(tmp_path, capsys, num):
+    """--num 0 wrote an empty file, --num -5 all but 5 of the prompts."""
+    line = cli_error(["assets", "stdlib", "--num", num, "--out", str(tmp_path / "p.jsonl")], capsys)
+    assert f"--num must be at least 1, got {num}" in line and not (tmp_path / "p.jsonl").exists()
+
+
+def test_stdlib_writes_exactly_num_prompts(tmp_path, capsys):
+    assert run_cli(["assets", "stdlib", "--num", "3", "--out", str(tmp_path / "p.jsonl")]) == 0
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "read-only"])
+def test_smollm2_with_an_unwritable_home_is_one_error_line(tmp_path, capsys, monkeypatch, case):
+    (tmp_path / "file").write_text("x")
+    home = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "home",
+            "read-only": Path("/proc/drafttrain-home")}[case]
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(home))
+    monkeypatch.setattr(assets, "find_wheel", forbid)
+    line = cli_error(["assets", "smollm2"], capsys)
+    assert "DRAFTTRAIN_HOME" in line and str(home) in line, line
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_smollm2_without_gguf_says_to_install_the_assets_extra(tmp_path, capsys, monkeypatch):
+    """Without the [assets] extra, transformers raised its own ImportError traceback at conversion."""
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` now raises ImportError
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(assets, "find_wheel", forbid)  # checked before any download
+    line = cli_error(["assets", "smollm2"], capsys)
+    assert "drafttrain[assets]" in line and "gguf" in line, line

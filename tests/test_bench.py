@@ -124,3 +124,59 @@ def test_a_non_empty_out_is_refused_without_overwrite(tmp_path, capsys):
     assert run(tmp_path, "--shape", "tiny", "--num-prompts", "1", "--prompt-length", "4", "--no-hf-generate",
                "--oracle-alpha", "0.5", "--overwrite") == 0
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md", "bench.png"]
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    return err[0]
+
+
+def test_a_prompt_longer_than_the_context_is_refused_as_eval_refuses_it(tmp_path, capsys):
+    """bench measured a prompt past the model's context, which eval refuses: now the same check."""
+    target = save_pair(tmp_path / "target", tiny_lm(0, max_positions=32), tiny_tokenizer())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w5 w9"}\n' + '{"prompt": "%s"}\n' % " ".join(["w7"] * 25))  # 25 + 10 > 32
+    capsys.readouterr()  # save_pair's progress bar
+    assert run(tmp_path, "--target", target, "--prompts", str(prompts), "--no-hf-generate") == 2
+    line = one_error(capsys)
+    assert f"{prompts}:2" in line and "context of 32 tokens" in line
+    assert not (tmp_path / "bench").exists()
+
+
+def test_a_random_prompt_length_past_the_context_is_refused(tmp_path, capsys):
+    assert run(tmp_path, "--shape", "tiny", "--prompt-length", "2040", "--no-hf-generate") == 2  # 2040 + 10 > 2048
+    line = one_error(capsys)
+    assert "--prompt-length 2040" in line and "context of 2048 tokens" in line
+    assert not (tmp_path / "bench").exists()
+
+
+def test_llama_8b_parameters_are_counted_without_allocating():
+    from drafttrain.bench import shape_parameters
+
+    assert shape_parameters("llama-8b") == 8_030_261_248  # Meta's published Llama-3-8B size
+
+
+def test_a_shape_that_does_not_fit_in_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
+    """llama-8b on the CPU was killed by the kernel at ~20 GB after 205 s, with no message."""
+    import drafttrain.bench as bench
+
+    def never(*args, **kwargs):
+        raise AssertionError("the shape was built although it does not fit")
+
+    monkeypatch.setattr(bench, "available_memory", lambda device: 16 * 2**30)
+    monkeypatch.setattr(bench, "build_shape", never)
+    assert run(tmp_path, "--shape", "llama-8b", "--dtype", "float32") == 2
+    line = one_error(capsys)
+    # 8.03e9 parameters x 4 bytes x 1.2 headroom = 35.9 GiB
+    assert "--shape llama-8b needs about 35.9 GiB" in line and "16.0 GiB is available" in line, line
+    assert not (tmp_path / "bench").exists()
+
+
+def test_a_shape_that_fits_passes_the_memory_check(monkeypatch):
+    import torch
+
+    import drafttrain.bench as bench
+
+    monkeypatch.setattr(bench, "available_memory", lambda device: 64 * 2**30)
+    bench.check_shape_fits("llama-8b", torch.bfloat16, torch.device("cpu"))  # 8.03e9 x 2 x 1.2 = 17.9 GiB

@@ -191,3 +191,37 @@ def test_encode_prompts_too_long_is_an_error_or_skipped(tmp_path, tok):
     assert encode_prompts(records, tok, max_new_tokens=60, context_limit=8, on_too_long="skip") == []
     with pytest.raises(ValueError):
         encode_prompts(records, tok, max_new_tokens=6, context_limit=8, on_too_long="truncate")
+
+
+@pytest.mark.parametrize("record, fields", [
+    ({"prompt": "w5", "turns": ["w6"]}, ("prompt", "turns")),
+    ({"prompt": "w5", "messages": [{"role": "user", "content": "w6"}]}, ("prompt", "messages")),
+    ({"turns": ["w5"], "messages": [{"role": "user", "content": "w6"}]}, ("turns", "messages")),
+])
+def test_record_with_two_usable_prompts_is_an_error(tmp_path, record, fields):
+    """SPEC §1: exactly one of prompt / turns / messages must be usable; two is ambiguous."""
+    path = write(tmp_path / "p.jsonl", [{"prompt": "w5"}, record])
+    message = error(read_prompt_file, path)
+    assert f"{path}:2" in message and all(f in message for f in fields)
+
+
+def test_an_unusable_second_field_does_not_count(tmp_path):
+    path = write(tmp_path / "p.jsonl", [{"prompt": "w5", "turns": []}, {"prompt": "", "turns": ["w6"]}])
+    first, second = read_prompt_file(path)
+    assert first.text == "w5" and second.messages == [{"role": "user", "content": "w6"}]
+
+
+@pytest.mark.parametrize("line", ['{"id": NaN, "prompt": "w5"}', '{"id": Infinity, "prompt": "w5"}',
+                                  '{"question_id": -Infinity, "prompt": "w5"}', '{"id": [1], "prompt": "w5"}',
+                                  '{"id": {"a": 1}, "prompt": "w5"}', '{"id": true, "prompt": "w5"}',
+                                  '{"task_id": null, "prompt": "w5"}'])
+def test_an_id_that_is_not_a_finite_scalar_is_an_error(tmp_path, line):
+    """An id goes into outputs.jsonl: NaN there is not JSON, and replay matches prompts by id."""
+    path = write(tmp_path / "p.jsonl", [{"prompt": "w5"}, line])
+    message = error(read_prompt_file, path)
+    assert f"{path}:2" in message and "id" in message
+
+
+def test_finite_numeric_ids_are_kept(tmp_path):
+    path = write(tmp_path / "p.jsonl", [{"id": 1.5, "prompt": "w5"}, {"id": -3, "prompt": "w5"}])
+    assert [r.id for r in read_prompt_file(path)] == [1.5, -3]

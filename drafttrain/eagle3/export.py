@@ -23,6 +23,7 @@ What the engines read (`llama_eagle3.py` in both, checked by tests/eagle3/test_e
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,6 +176,52 @@ def _int(cfg: dict, key: str, where: Path) -> int:
     return value
 
 
+def _optional_int(cfg: dict, key: str, default, where: Path) -> int:
+    """A positive integer field that may be left out (or null): `default` then."""
+    return default if cfg.get(key) is None else _int(cfg, key, where)
+
+
+def _positive_number(cfg: dict, key: str, default: float, where: Path) -> float:
+    value = cfg.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise UserError(f"{where}: {key} must be a positive number, got {value!r}; re-export the draft")
+    return value
+
+
+def _hidden_act(cfg: dict, where: Path) -> str:
+    from transformers.activations import ACT2FN
+
+    value = cfg.get("hidden_act", "silu")
+    if not isinstance(value, str) or value not in ACT2FN:
+        raise UserError(f"{where}: hidden_act {value!r} is not an activation transformers knows (e.g. silu, gelu); "
+                        "re-export the draft")
+    return value
+
+
+def _rope(cfg: dict, where: Path) -> dict:
+    """transformers 5's rope_parameters, else the older rope_theta + rope_scaling, checked: the
+    rotary embedding is built from them, and a bad one failed deep inside transformers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = cfg.get("rope_scaling") or {}
+    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
+                                          **(scaling if isinstance(scaling, dict) else {"rope_scaling": scaling})}
+    if not isinstance(rope, dict):
+        raise UserError(f"{where}: rope_parameters must be a JSON object, got {rope!r}; re-export the draft")
+    if "rope_scaling" in rope:
+        raise UserError(f"{where}: rope_scaling must be a JSON object, got {rope['rope_scaling']!r}; re-export the "
+                        "draft")
+    rope = dict(rope)
+    if "type" in rope and "rope_type" not in rope:  # transformers 4's key
+        rope["rope_type"] = rope.pop("type")
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    if rope.get("rope_type", "default") not in known:
+        raise UserError(f"{where}: rope type {rope.get('rope_type')!r} is unknown; use one of {', '.join(known)}, "
+                        "or re-export the draft")
+    _positive_number(rope, "rope_theta", 10000.0, where)
+    return rope
+
+
 def _aux_layer_ids(cfg: dict, num_layers: int, where: Path) -> tuple[int, int, int]:
     """drafttrain's own record, else vLLM's key (same convention), else SGLang's (+1), else the
     engines' common default."""
@@ -191,6 +238,25 @@ def _aux_layer_ids(cfg: dict, num_layers: int, where: Path) -> tuple[int, int, i
         return check_aux_layer_ids(default_aux_layer_ids(num_layers), num_layers)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
+
+
+def _eagle3_config(cfg: dict, config_file: Path, *, hidden: int, vocab: int, draft_vocab: int, target_hidden: int,
+                   layers: int) -> Eagle3Config:
+    """The draft's config with every field checked: a malformed one names itself and the file."""
+    heads = _int(cfg, "num_attention_heads", config_file)
+    try:
+        return Eagle3Config(
+            hidden_size=hidden, intermediate_size=_int(cfg, "intermediate_size", config_file),
+            num_attention_heads=heads, num_key_value_heads=_optional_int(cfg, "num_key_value_heads", heads, config_file),
+            head_dim=_optional_int(cfg, "head_dim", hidden // heads, config_file),
+            rms_norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6, config_file),
+            vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
+            target_num_layers=layers, aux_layer_ids=_aux_layer_ids(cfg, layers, config_file),
+            max_position_embeddings=_optional_int(cfg, "max_position_embeddings", 2048, config_file),
+            rope_parameters=_rope(cfg, config_file), hidden_act=_hidden_act(cfg, config_file),
+            initializer_range=_positive_number(cfg, "initializer_range", 0.02, config_file))
+    except ValueError as e:
+        raise UserError(f"{config_file}: {e}; re-export the draft") from None
 
 
 def load_eagle3(path, device=None, dtype: torch.dtype | None = None,
@@ -220,9 +286,16 @@ def load_eagle3(path, device=None, dtype: torch.dtype | None = None,
                         "EAGLE-3 drafts are supported")
     hidden = _int(cfg, "hidden_size", config_file)
     vocab = _int(cfg, "vocab_size", config_file)
-    draft_vocab = cfg.get("draft_vocab_size") or vocab
-    target_hidden = cfg.get("target_hidden_size") or hidden
-    layers = (cfg.get("drafttrain") or {}).get("target_num_layers") or getattr(target_config, "num_hidden_layers", None)
+    draft_vocab = _optional_int(cfg, "draft_vocab_size", vocab, config_file)
+    if draft_vocab > vocab:
+        raise UserError(f"{config_file}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab} (the target's); "
+                        "re-export the draft")
+    target_hidden = _optional_int(cfg, "target_hidden_size", hidden, config_file)
+    ours = cfg.get("drafttrain")
+    if ours is not None and not isinstance(ours, dict):
+        raise UserError(f"{config_file}: drafttrain must be a JSON object, got {ours!r}; re-export the draft")
+    layers = _optional_int(ours or {}, "target_num_layers", getattr(target_config, "num_hidden_layers", None),
+                           config_file)
     if not layers:
         raise UserError(f"{config_file} does not say how many layers the target has; pass the target "
                         "(its config) to load this draft")
@@ -233,20 +306,8 @@ def load_eagle3(path, device=None, dtype: torch.dtype | None = None,
             if ours != theirs:
                 raise UserError(f"the EAGLE-3 draft in {path} was made for a target with {key} {ours}, but this "
                                 f"target has {theirs}; use the draft with its own target")
-    heads = _int(cfg, "num_attention_heads", config_file)
-    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
-                                          **(cfg.get("rope_scaling") or {})}
-    try:
-        config = Eagle3Config(
-            hidden_size=hidden, intermediate_size=_int(cfg, "intermediate_size", config_file),
-            num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
-            target_num_layers=layers, aux_layer_ids=_aux_layer_ids(cfg, layers, config_file),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048), rope_parameters=dict(rope),
-            hidden_act=cfg.get("hidden_act", "silu"), initializer_range=cfg.get("initializer_range", 0.02))
-    except ValueError as e:
-        raise UserError(f"{config_file}: {e}; re-export the draft") from None
+    config = _eagle3_config(cfg, config_file, hidden=hidden, vocab=vocab, draft_vocab=draft_vocab,
+                            target_hidden=target_hidden, layers=layers)
 
     state = _read_weights(path)
     state.pop("embed_tokens.weight", None)  # some trainers save the target's embedding too: we use the target's
@@ -256,7 +317,11 @@ def load_eagle3(path, device=None, dtype: torch.dtype | None = None,
     if "d2t" in state and "t2d" not in state:  # SGLang and vLLM ignore t2d; rebuild it
         state["t2d"] = _t2d_from_d2t(state["d2t"], vocab)
     file_dtype = state["lm_head.weight"].dtype if "lm_head.weight" in state else torch.float32
-    draft = Eagle3Draft(config).to(file_dtype)
+    try:  # transformers builds the rotary embedding: a rope type's missing or bad parameters fail there
+        draft = Eagle3Draft(config).to(file_dtype)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{config_file}: cannot build the draft from it ({type(e).__name__}: {e}); check "
+                        "rope_parameters, or re-export the draft") from None
     expected = draft.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:

@@ -19,6 +19,11 @@ from .run import DecoderFactory, Evaluation, check_inputs, evaluate
 
 KINDS = ("draft", "heads", "eagle3", "ngram", "none")
 WITH_PATH = ("draft", "heads", "eagle3")
+FIGURE_CAPTIONS = {"tau.png": "tau by drafter", "per_position_acceptance.png": "per-position acceptance by drafter",
+                   "speedup.png": "speedup by drafter", "tau_vs_speedup.png": "tau vs speedup"}
+# Every name compare writes into --out beside the drafters' folders: a drafter may not take one.
+COMPARISON_FILES = ("comparison.md", "comparison.json", *FIGURE_CAPTIONS)
+NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
 
 
 def parse_drafter(spec: str) -> tuple[str, dict]:
@@ -28,12 +33,26 @@ def parse_drafter(spec: str) -> tuple[str, dict]:
     if not sep or not name or kind not in KINDS or (kind in WITH_PATH) != bool(path):
         raise UserError(f"--drafter {spec!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, "
                         "NAME=ngram or NAME=none")
-    if "/" in name or name.startswith("."):
-        raise UserError(f"--drafter {spec!r}: NAME names the drafter's report folder, so it cannot contain '/' or "
-                        "start with '.'")
+    check_drafter_name(name, spec)
     if kind in WITH_PATH:
         return name, {kind: path}
     return name, {"method": kind}
+
+
+def check_drafter_name(name: str, spec: str) -> None:
+    """NAME becomes the drafter's report folder in --out: checked before any decoding, so a name
+    the file system refuses, or one that is also a file compare writes, cannot fail the run at
+    its very end. Compared without case, for case-insensitive file systems."""
+    if "/" in name or "\\" in name or "\0" in name or name.startswith("."):
+        raise UserError(f"--drafter {spec!r}: NAME names the drafter's report folder, so it cannot contain '/', "
+                        "'\\' or a NUL character, or start with '.'; choose another NAME")
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise UserError(f"--drafter {spec[:40]!r}...: NAME names the drafter's report folder and is longer than "
+                        f"{NAME_MAX} bytes; choose a shorter NAME")
+    clash = next((f for f in COMPARISON_FILES if f.casefold() == name.casefold()), None)
+    if clash:
+        raise UserError(f"--drafter {spec!r}: NAME names the drafter's report folder, but compare also writes "
+                        f"{clash} into --out; choose another NAME (not one of {', '.join(COMPARISON_FILES)})")
 
 
 def drafter_configs(base: EvalConfig, drafters: list[str]) -> list[EvalConfig]:
@@ -105,10 +124,8 @@ def render_comparison(rows: list[dict], first: dict, figures: dict) -> str:
                       "1-token forward in low precision, not from the decoder): "
                   + "; ".join(f"{r['drafter']} {r['divergences_at_near_ties']} of {r['divergences']} at near-ties"
                               for r in diverged) + "."]
-    captions = {"tau.png": "tau by drafter", "per_position_acceptance.png": "per-position acceptance by drafter",
-                "speedup.png": "speedup by drafter", "tau_vs_speedup.png": "tau vs speedup"}
     for name in figures:
-        lines += ["", f"![{captions[name]}]({name})"]
+        lines += ["", f"![{FIGURE_CAPTIONS[name]}]({name})"]
     lines += ["", "Each drafter's full report: `<drafter>/report.md`."]
     return "\n".join(lines) + "\n"
 

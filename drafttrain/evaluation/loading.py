@@ -15,7 +15,7 @@ import torch
 from ..decoding import CachedLM, Drafter, cached_lm
 from ..decoding.drafters.eagle3 import cached_draft_for
 from ..decoding.drafters.eagle3_cache import CachedEagle3Draft
-from ..decoding.factory import max_step_tokens
+from ..decoding.factory import max_step_tokens, tree_choice
 from ..eagle3.export import load_eagle3
 from ..eagle3.model import Eagle3Draft
 from ..errors import UserError
@@ -24,6 +24,7 @@ from ..models import first_line, load_causal_lm, load_tokenizer, resolve_device,
 from ..preflight import compatibility_checks, require_compatible
 from ..prompts import EncodedPrompt
 from ..tokens import eos_token_ids
+from ..trees import widest_choice
 from .config import EvalConfig
 
 
@@ -87,7 +88,34 @@ def attach_drafter(models: LoadedModels, cfg: EvalConfig, draft_tok=None) -> Loa
         models.eagle3.eval()
         models.eagle3_info = {"aux_layer_ids": list(info.aux_layer_ids), "draft_vocab_size": info.draft_vocab_size,
                               **(info.config.get("drafttrain") or {})}
+    check_tree_fits(cfg, models)
     return models
+
+
+def check_tree_fits(cfg: EvalConfig, models: LoadedModels) -> None:
+    """A tree's top-k choice index must be below the vocabulary it picks from (the heads', or the
+    EAGLE-3 draft's vocabulary), else decoding crashes at its first step; checked once the drafter
+    is loaded, before any prompt is decoded."""
+    kind = cfg.drafter_kind
+    if kind not in ("medusa", "eagle3"):
+        return
+    tree = tree_choice(models.drafter(kind), cfg.decode_settings())
+    if tree is None or not cfg.greedy:  # a chain (sampling always runs one)
+        return
+    name, paths = tree
+    if kind == "medusa":
+        vocab, whose = models.heads.config.vocab_size, "the Medusa heads'"
+    else:
+        vocab, whose = models.eagle3.config.draft_vocab_size, "the EAGLE-3 draft's"
+    if paths == "dynamic":
+        if cfg.tree_topk > vocab:
+            raise UserError(f"--tree-topk {cfg.tree_topk} exceeds the EAGLE-3 draft's vocabulary of {vocab} tokens; "
+                            f"pass --tree-topk {vocab} or less")
+        return
+    widest = widest_choice(paths)
+    if widest >= vocab:
+        raise UserError(f"--tree {name}: a path takes choice {widest} (the top-{widest + 1} token), but {whose} "
+                        f"vocabulary has {vocab} tokens; use choice indices below {vocab}")
 
 
 def require_finite(module: torch.nn.Module, what: str, path: str) -> None:

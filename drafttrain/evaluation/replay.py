@@ -168,41 +168,69 @@ class ReplayResult:
         return sum(sum(a) for a in self.accepted) / drafted if drafted else 0.0
 
 
-def read_outputs(path: str) -> tuple[dict[str, list[int]], dict]:
-    """{prompt id: the target's greedy tokens} from outputs.jsonl, and the report.json beside it
-    ({} when there is none)."""
+@dataclass
+class ReportOutputs:
+    """A greedy report's outputs.jsonl, by prompt id, and the report.json beside it ({} when none)."""
+
+    tokens: dict[str, list[int]]
+    digests: dict[str, str]  # prompt id -> `prompt_sha256` (reports that record it)
+    report: dict
+    path: str
+
+    @property
+    def config(self) -> dict:
+        config = self.report.get("config")
+        return config if isinstance(config, dict) else {}
+
+
+def read_outputs(path: str) -> ReportOutputs:
+    """outputs.jsonl and the report.json beside it, each line checked: an id and a list of token ids."""
     file = Path(path)
     if not file.is_file():
         raise UserError(f"--outputs {path}: no such file; pass a report's outputs.jsonl")
-    report_file = file.with_name("report.json")
-    report = {}
-    if report_file.is_file():
-        try:
-            report = json.loads(report_file.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"{report_file}: not readable JSON ({e}); pass an intact report") from e
-    if (report.get("config") or {}).get("temperature", 0) != 0:
-        raise UserError(f"{path} comes from a sampled run (temperature {report['config']['temperature']}); replay "
+    report = read_report_json(file.with_name("report.json"))
+    result = ReportOutputs({}, {}, report, path)
+    if result.config.get("temperature", 0) != 0:
+        raise UserError(f"{path} comes from a sampled run (temperature {result.config['temperature']}); replay "
                         "needs a greedy report (--temperature 0)")
-    outputs = {}
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--outputs {path}: cannot read it ({e}); pass a report's outputs.jsonl") from e
     for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            tokens = row.get("baseline_token_ids") or row.get("speculative_token_ids")
-            if "id" not in row or not isinstance(tokens, list):
-                raise ValueError("no id or token ids")
-        except (ValueError, AttributeError) as e:
-            raise UserError(f"{path}:{lineno}: not an outputs.jsonl line ({e}); pass a report's outputs.jsonl") from e
-        outputs[str(row["id"])] = [int(t) for t in tokens]
-    if not outputs:
+        if line.strip():
+            _read_output_line(result, line, f"{path}:{lineno}")
+    if not result.tokens:
         raise UserError(f"--outputs {path} is empty; pass the outputs.jsonl of a finished report")
-    return outputs, report
+    return result
+
+
+def read_report_json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        report = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{file}: not readable JSON ({e}); pass an intact report") from e
+    if not isinstance(report, dict):
+        raise UserError(f"{file}: not a report (a JSON {type(report).__name__}); pass an intact report")
+    return report
+
+
+def _read_output_line(result: ReportOutputs, line: str, where: str) -> None:
+    try:
+        row = json.loads(line)
+        tokens = row.get("baseline_token_ids") or row.get("speculative_token_ids")
+        if "id" not in row or not isinstance(tokens, list):
+            raise ValueError("no id or token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            raise ValueError("a token id that is not a non-negative integer")
+    except (ValueError, AttributeError) as e:
+        raise UserError(f"{where}: not an outputs.jsonl line ({e}); pass a report's outputs.jsonl") from e
+    pid = str(row["id"])
+    result.tokens[pid] = tokens
+    if isinstance(row.get("prompt_sha256"), str):
+        result.digests[pid] = row["prompt_sha256"]
 
 
 def parse_draft(spec: str) -> tuple[str, str, str]:
@@ -215,53 +243,138 @@ def parse_draft(spec: str) -> tuple[str, str, str]:
     return name, kind, path
 
 
+def parse_drafts(specs: list[str]) -> list[tuple[str, str, str]]:
+    """Every --draft, names unique: results are printed by name, so two alike could not be told apart."""
+    drafts = [parse_draft(d) for d in specs]
+    names = [name for name, _, _ in drafts]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise UserError(f"--draft name {duplicate!r} is given twice; give each --draft its own NAME")
+    return drafts
+
+
+def replay_max_new_tokens(cfg: ReplayConfig, outputs: ReportOutputs) -> int:
+    """The report's --max-new-tokens: it decides where the decoder's last steps draft fewer tokens,
+    so a different one would replay steps the report never took."""
+    reported = outputs.config.get("max_new_tokens")
+    if cfg.max_new_tokens is not None and reported is not None and cfg.max_new_tokens != reported:
+        raise UserError(f"--max-new-tokens {cfg.max_new_tokens} differs from the report's {reported} (its report.json "
+                        "beside --outputs); leave --max-new-tokens out to use the report's")
+    max_new = cfg.max_new_tokens or reported
+    if not isinstance(max_new, int) or max_new < 1:
+        raise UserError(f"the report's --max-new-tokens is unknown (no report.json beside {cfg.outputs}); pass "
+                        "--max-new-tokens N as the report ran")
+    longest = max(len(t) for t in outputs.tokens.values())
+    if longest > max_new:
+        raise UserError(f"{cfg.outputs} holds an output of {longest} tokens, more than --max-new-tokens {max_new}; "
+                        "pass the report's --max-new-tokens")
+    return max_new
+
+
+def check_target(cfg: ReplayConfig, outputs: ReportOutputs) -> None:
+    """The outputs must be this target's: another target's outputs replay to a meaningless tau
+    (1.0 for a draft that is that target). Checked by the fingerprint the report records, else,
+    for an older report, by its target path where that path exists here."""
+    from .report import target_fingerprint
+
+    recorded = outputs.report.get("inputs")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    reported = recorded.get("target") or outputs.config.get("target")
+    if not isinstance(reported, str) or not reported:
+        return
+    expected, local = recorded.get("target_fingerprint"), Path(cfg.target).is_dir()
+    if expected is not None and local:
+        same = target_fingerprint(cfg.target) == expected
+    elif Path(reported).is_dir() and local:
+        same = Path(reported).resolve() == Path(cfg.target).resolve()
+    elif not local and not Path(reported).exists():  # two hub ids
+        same = reported == cfg.target
+    else:  # a local path the report named that does not exist here: nothing to compare
+        same = True
+    if not same:
+        raise UserError(f"{cfg.outputs} was made with the target {reported!r} (its report.json), not --target "
+                        f"{cfg.target!r}; pass the report's target, or the outputs of a report on this target")
+
+
+def matched_prompts(cfg: ReplayConfig, outputs: ReportOutputs, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target output) per prompt of cfg.prompts that has an output. Every output must
+    have its prompt, and where the report records each prompt's hash, the same prompt: other
+    prompts under the same ids would replay to a wrong tau."""
+    from .report import prompt_digest
+
+    records = [r for r in read_prompts(cfg.prompts) if str(r.id) in outputs.tokens]
+    if not records:
+        raise UserError(f"no prompt of {', '.join(cfg.prompts)} has an output in {cfg.outputs}; pass the prompt "
+                        "file the report ran")
+    missing = sorted(set(outputs.tokens) - {str(r.id) for r in records})
+    if missing:
+        raise UserError(f"{cfg.outputs} holds outputs of prompts not in {', '.join(cfg.prompts)} (ids "
+                        f"{', '.join(map(repr, missing[:3]))}{', ...' if len(missing) > 3 else ''}); pass the prompt "
+                        "file(s) the report ran")
+    prompts = []
+    for r in records:
+        ids = encode_prompt(r, tokenizer)
+        expected = outputs.digests.get(str(r.id))
+        if expected is not None and prompt_digest(ids) != expected:
+            raise UserError(f"{r.source}: prompt {r.id!r} is not the prompt the report decoded under that id (it "
+                            f"encodes differently); pass the prompt file the report ran")
+        prompts.append((ids, outputs.tokens[str(r.id)]))
+    return prompts
+
+
+def require_known_tokens(outputs: ReportOutputs, model, what: str) -> None:
+    """Every output token must index `model`'s embedding: one past it means outputs of another
+    vocabulary (and would be an IndexError deep in the forward)."""
+    rows = model.get_input_embeddings().num_embeddings
+    bad = next(((pid, t) for pid, tokens in outputs.tokens.items() for t in tokens if t >= rows), None)
+    if bad is not None:
+        raise UserError(f"{outputs.path}: prompt {bad[0]!r}'s output holds token id {bad[1]}, outside the {what}'s "
+                        f"vocabulary of {rows} tokens; pass outputs of a report on this target")
+
+
+def load_replay_draft(cfg: ReplayConfig, name: str, kind: str, path: str, tokenizer, dtype, device, target):
+    """(draft, target or None): the draft LM, or an EAGLE-3 draft beside the target it reads."""
+    what = f"{'EAGLE-3 ' if kind == 'eagle3' else ''}draft {name!r}"
+    if kind == "eagle3":
+        from ..eagle3.export import load_eagle3
+        from .loading import require_finite
+
+        target = target or load_causal_lm(cfg.target, dtype, device, "target")
+        draft, _ = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)
+        require_finite(draft, what, path)
+        draft.attach_embeddings(target.get_input_embeddings()).eval()
+        return draft, target
+    difference = first_vocab_difference(tokenizer.get_vocab(), load_tokenizer(path, what).get_vocab())
+    if difference:
+        raise UserError(f"{what} and the target disagree on token ids ({difference}); use a draft trained "
+                        "with the target's tokenizer")
+    return load_causal_lm(path, dtype, device, what), None
+
+
 def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
     from tqdm.auto import tqdm
-
 
     validate_choices(cfg)
     if cfg.num_draft_tokens < 1:
         raise UserError(f"--num-draft-tokens must be at least 1, got {cfg.num_draft_tokens}")
-    drafts = [parse_draft(d) for d in cfg.draft]
-    outputs, report = read_outputs(cfg.outputs)
-    max_new = cfg.max_new_tokens or (report.get("config") or {}).get("max_new_tokens")
-    if not max_new or max_new < 1:
-        raise UserError(f"the report's --max-new-tokens is unknown (no report.json beside {cfg.outputs}); pass "
-                        "--max-new-tokens N as the report ran")
-    longest = max(len(t) for t in outputs.values())
-    if longest > max_new:
-        raise UserError(f"{cfg.outputs} holds an output of {longest} tokens, more than --max-new-tokens {max_new}; "
-                        "pass the report's --max-new-tokens")
-    records = [r for r in read_prompts(cfg.prompts) if str(r.id) in outputs]
-    if not records:
-        raise UserError(f"no prompt of {', '.join(cfg.prompts)} has an output in {cfg.outputs}; pass the prompt "
-                        "file the report ran")
+    drafts = parse_drafts(cfg.draft)
+    outputs = read_outputs(cfg.outputs)
+    max_new = replay_max_new_tokens(cfg, outputs)
+    check_target(cfg, outputs)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(cfg.target, "target")
-    prompts = [(encode_prompt(r, tokenizer), outputs[str(r.id)]) for r in records]
+    prompts = matched_prompts(cfg, outputs, tokenizer)
     results = []
     target = None  # loaded for the first EAGLE-3 draft: it reads the target's features
     for name, kind, path in drafts:
-        what = f"{'EAGLE-3 ' if kind == 'eagle3' else ''}draft {name!r}"
-        if kind == "eagle3":
-            from ..eagle3.export import load_eagle3
-            from .loading import require_finite
-
-            target = target or load_causal_lm(cfg.target, dtype, device, "target")
-            draft, _ = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)
-            require_finite(draft, what, path)
-            draft.attach_embeddings(target.get_input_embeddings()).eval()
-        else:
-            difference = first_vocab_difference(tokenizer.get_vocab(), load_tokenizer(path, what).get_vocab())
-            if difference:
-                raise UserError(f"{what} and the target disagree on token ids ({difference}); use a draft trained "
-                                "with the target's tokenizer")
-            draft = load_causal_lm(path, dtype, device, what)
+        draft, eagle3_target = load_replay_draft(cfg, name, kind, path, tokenizer, dtype, device, target)
+        target = eagle3_target if eagle3_target is not None else target
+        require_known_tokens(outputs, eagle3_target or draft, "target" if eagle3_target is not None else f"draft {name!r}")
         result = ReplayResult(name, cfg.num_draft_tokens, max_new)
         for ids, out in tqdm(prompts, desc=name, unit="prompt", disable=not progress):
             acc, prop = teacher_forced_steps(draft, ids, out, num_draft_tokens=cfg.num_draft_tokens,
-                                             max_new_tokens=max_new, target=target if kind == "eagle3" else None)
+                                             max_new_tokens=max_new, target=eagle3_target)
             result.tokens.append(len(out))
             result.accepted.append(acc)
             result.proposed.append(prop)

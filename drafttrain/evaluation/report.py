@@ -8,10 +8,47 @@ their titles and labels back.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 from .metrics import PromptResult, divergence
+
+FINGERPRINT_BYTES = 1 << 20  # hashed from each end of a weights file: enough to tell two models apart, fast
+
+
+def prompt_digest(ids: list[int]) -> str:
+    """outputs.jsonl's `prompt_sha256`: the hash of a prompt's token ids, so `replay` can tell that
+    it encodes the same prompt (content, tokenizer and chat template) the report decoded."""
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+
+
+def target_fingerprint(path: str) -> str | None:
+    """report.json's `inputs.target_fingerprint`: a hash of a local model directory's config and
+    the sizes, head and tail of its weights files, so `replay` can tell outputs of another target
+    from this one's (a copy elsewhere is the same target); None for a hub id."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(root.iterdir()):
+        if file.name != "config.json" and file.suffix not in (".safetensors", ".bin"):
+            continue
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(FINGERPRINT_BYTES))
+            if size > 2 * FINGERPRINT_BYTES:
+                f.seek(-FINGERPRINT_BYTES, os.SEEK_END)
+            digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()
+
+
+def report_inputs(target: str) -> dict:
+    """report.json's `inputs`: which target the report ran, for `replay` to check against."""
+    local = Path(target).is_dir()
+    return {"target": str(Path(target).resolve()) if local else target, "target_fingerprint": target_fingerprint(target)}
 
 
 def output_rows(results: list[PromptResult], with_divergence: bool) -> list[dict]:

@@ -25,7 +25,7 @@ from .costs import timed_generate
 from .loading import LoadedModels, attach_drafter, bind_engine, load_models
 from .metrics import PromptResult, defects
 from .outputs import prepare_output_dir, staged_output
-from .report import write_report
+from .report import prompt_digest, write_report
 from .summary import build_report
 
 
@@ -71,7 +71,18 @@ def check_inputs(cfgs: list[EvalConfig]) -> None:
         cfg.validate()
         if shared_settings(cfg) != shared_settings(cfgs[0]):
             raise UserError("compared drafters must share target, prompts and decoding settings")
+    check_tree_used(cfgs)
     read_prompts(cfgs[0].prompts, cfgs[0].limit)
+
+
+def check_tree_used(cfgs: list[EvalConfig]) -> None:
+    """--tree shapes only Medusa heads' and EAGLE-3 drafts' steps: given for a run with neither, it
+    would be silently ignored, so it is an error (auto, the default, always fits)."""
+    tree = cfgs[0].tree
+    if tree != "auto" and not any(cfg.drafter_kind in ("medusa", "eagle3") for cfg in cfgs):
+        drafters = ", ".join(sorted({f"--method {c.method}" if c.method else f"--{c.drafter_kind}" for c in cfgs}))
+        raise UserError(f"--tree {tree} shapes the steps of Medusa heads (--heads) and EAGLE-3 drafts (--eagle3), "
+                        f"not of {drafters}; leave --tree out")
 
 
 def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, progress: bool = True,
@@ -125,7 +136,8 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
         for p in bar:
             baseline = timed_generate(base, p.ids, first.max_new_tokens) if base is not None else (None, None)
             for decoder, rs in zip(decoders, results):
-                r = PromptResult(p.id, p.category, *timed_generate(decoder, p.ids, first.max_new_tokens))
+                r = PromptResult(p.id, p.category, *timed_generate(decoder, p.ids, first.max_new_tokens),
+                                 extra={"prompt_sha256": prompt_digest(p.ids)})
                 r.baseline, r.baseline_seconds = baseline
                 rs.append(r)
 

@@ -16,6 +16,7 @@ from .config import EvalConfig
 from .costs import eagle3_step_seconds, single_token_seconds
 from .loading import LoadedModels
 from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, metrics_by_category
+from .report import report_inputs
 
 
 def environment(device: torch.device) -> dict:
@@ -72,6 +73,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
         "drafter": cfg.drafter_name,
         # SPEC §2 rev 2: config.engine is the engine used; what was asked for is engine.requested.
         "config": {**dataclasses.asdict(cfg), "engine": engine["used"]},
+        "inputs": report_inputs(cfg.target),  # what `replay` checks its --target against
         "environment": environment(models.device),
         "numerics": num,
         "engine": dict(engine),

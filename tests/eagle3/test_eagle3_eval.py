@@ -105,3 +105,28 @@ def test_replay_reproduces_a_chain_reports_steps(files, tmp_path):
     assert len({a for r in rows for a in r["accepted_lengths"]}) >= 3  # not vacuous: several lengths occurred
     overall = json.loads((tmp_path / "out" / "report.json").read_text())["overall"]
     assert result.tau == pytest.approx(overall["mean_accepted_length"], abs=1e-12)
+
+
+@pytest.mark.parametrize("tree, extra, words", [
+    ("[[100]]", [], ["choice 100", "48 tokens"]),
+    ("[[0], [47], [50]]", [], ["choice 50", "EAGLE-3 draft's vocabulary has 48"]),  # in the target's 64, not the draft's
+    ("[]", [], ["empty"]),
+    (None, ["--tree-topk", "49"], ["--tree-topk 49", "48"]),
+])
+def test_eagle3_tree_that_cannot_fit_the_draft_vocabulary_is_one_error_line(files, tmp_path, capsys, tree, extra,
+                                                                             words):
+    """A tree choice past the draft's vocabulary crashed the first step ("selected index out of
+    range"); an empty tree silently ran plain decoding."""
+    root, _ = files
+    argv = ["eval", "--target", str(root / "target"), "--eagle3", str(root / "eagle3"), "--prompts",
+            str(root / "p.jsonl"), "--max-new-tokens", "4", "--dtype", "float64", "--out", str(tmp_path / "out"),
+            "--quiet", *extra]
+    if tree is not None:
+        (tmp_path / "tree.json").write_text(tree)
+        argv += ["--tree", str(tmp_path / "tree.json")]
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:"), err
+    assert all(w in err[0] for w in words), err[0]
+    assert not (tmp_path / "out").exists()

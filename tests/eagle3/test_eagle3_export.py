@@ -219,3 +219,47 @@ def test_foreign_checkpoints_give_their_layers_in_either_engines_convention(tmp_
     assert load_eagle3(plain, target_config=target.config)[1].aux_layer_ids == (2, 3, 4)
     with pytest.raises(UserError, match="how many layers"):
         load_eagle3(plain)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"draft_vocab_size": -5}, ["draft_vocab_size", "positive integer", "-5"]),
+    ({"draft_vocab_size": "40"}, ["draft_vocab_size", "'40'"]),
+    ({"draft_vocab_size": 10**6}, ["draft_vocab_size", "exceeds vocab_size"]),
+    ({"target_hidden_size": "32"}, ["target_hidden_size", "'32'"]),
+    ({"hidden_act": "swishy"}, ["hidden_act", "'swishy'"]),
+    ({"hidden_act": 3}, ["hidden_act"]),
+    ({"rms_norm_eps": "1e-6"}, ["rms_norm_eps", "positive number"]),
+    ({"rms_norm_eps": -1.0}, ["rms_norm_eps"]),
+    ({"rope_parameters": {"rope_type": "spiral", "rope_theta": 10000.0}}, ["rope type", "'spiral'", "linear"]),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}, ["rope_theta"]),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, ["rope_parameters", "cannot build"]),
+    ({"rope_parameters": "default"}, ["rope_parameters", "JSON object"]),
+    ({"head_dim": 2.5}, ["head_dim"]),
+    ({"num_key_value_heads": "2"}, ["num_key_value_heads"]),
+    ({"max_position_embeddings": -1}, ["max_position_embeddings"]),
+])
+def test_malformed_config_fields_are_one_line_naming_field_and_file(tmp_path, target, changes, words):
+    """Each of these was a traceback deep in torch or transformers, or (a string target_hidden_size)
+    "made for hidden size 32, but this target has 32"."""
+    d = save_eagle3(tiny_draft(target), tmp_path / "draft")
+    _edit_config(d, **changes)
+    with pytest.raises(UserError) as e:
+        load_eagle3(d, target_config=target.config)
+    msg = str(e.value)
+    assert "\n" not in msg and str(d / "config.json") in msg and all(w in msg for w in words), msg
+
+
+def test_malformed_config_is_one_error_line_from_the_command(tmp_path, target, capsys):
+    from tiny import save_pair, tiny_tokenizer
+
+    from drafttrain.cli import main
+
+    save_pair(tmp_path / "target", target, tiny_tokenizer())
+    d = save_eagle3(tiny_draft(target), tmp_path / "draft")
+    _edit_config(d, draft_vocab_size="40")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w5 w6"}\n')
+    capsys.readouterr()
+    code = main(["eval", "--target", str(tmp_path / "target"), "--eagle3", str(d), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and "draft_vocab_size" in err[0], err

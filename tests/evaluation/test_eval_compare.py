@@ -110,3 +110,26 @@ def test_compare_bad_inputs_are_one_error_line(models, tmp_path, capsys):
         before = snapshot(tmp_path)
         one_error_line(*cli(capsys, argv), *words)
         assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name, words", [
+    ("tau.png", ["tau.png", "another NAME"]),
+    ("comparison.json", ["comparison.json"]),
+    ("Comparison.MD", ["comparison.md"]),  # a case-insensitive file system makes these one name
+    ("speedup.png", ["speedup.png"]),
+    ("a\\b", ["'\\'"]),
+    ("x" * 256, ["255 bytes"]),
+])
+def test_compare_refuses_a_drafter_name_it_cannot_write_before_decoding(models, tmp_path, capsys, monkeypatch, name,
+                                                                        words):
+    """A NAME that is also a file compare writes, or no valid folder name, is refused before any model
+    loads, not after every prompt was decoded."""
+    import drafttrain.evaluation.compare as compare
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoding started before the drafter names were checked")
+
+    monkeypatch.setattr(compare, "evaluate", no_decoding)
+    before = snapshot(tmp_path)
+    one_error_line(*cli(capsys, compare_argv(models, tmp_path / "out", "a=ngram", f"{name}=none")), "--drafter", *words)
+    assert snapshot(tmp_path) == before

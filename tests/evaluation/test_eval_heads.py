@@ -81,13 +81,41 @@ def test_eval_heads_with_a_tree_file_and_bad_trees(tmp_path, capsys):
     overall = json.loads((tmp_path / "ok" / "report.json").read_text())["overall"]
     assert overall["tree"] == str(tree) and overall["tree_nodes"] == 6 and overall["outputs_match_baseline"] == 1.0
 
-    for name, text in [("orphan.json", "[[0, 0]]"), ("notjson.json", "[[0], "), ("missing.json", None)]:
+    # [[100]]: a choice past the heads' 64-token vocabulary crashed the first step; []: plain decoding
+    for name, text in [("orphan.json", "[[0, 0]]"), ("notjson.json", "[[0], "), ("missing.json", None),
+                       ("wide.json", "[[0], [100]]"), ("wide64.json", "[[64]]"), ("empty.json", "[]")]:
         if text is not None:
             (tmp_path / name).write_text(text)
         capsys.readouterr()
-        code = main([*argv, "--tree", str(tmp_path / name), "--out", str(tmp_path / name / "out")])
+        code = main([*argv, "--tree", str(tmp_path / name), "--out", str(tmp_path / f"out-{name}")])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("error: --tree"), (name, err)
+        assert not (tmp_path / f"out-{name}").exists()
+    assert "64 tokens" in err_of(main, capsys, [*argv, "--tree", str(tmp_path / "wide64.json"), "--out",
+                                                str(tmp_path / "o")])
+    (tmp_path / "edge.json").write_text("[[63]]")  # the last token of the vocabulary is a valid choice
+    assert main([*argv, "--tree", str(tmp_path / "edge.json"), "--out", str(tmp_path / "edge")]) == 0
+
+
+def err_of(fn, capsys, argv) -> str:
+    capsys.readouterr()
+    assert fn(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_tree_for_a_drafter_without_one_is_an_error(tmp_path, capsys):
+    """--tree shapes heads' and EAGLE-3's steps only: `--draft D --tree dynamic` used to be ignored."""
+    tok = tiny_tokenizer(64)
+    save_pair(tmp_path / "target", tiny_lm(0, dtype=torch.float32), tok)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w5 w6 w7"}\n')
+    base = ["--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "p.jsonl"), "--quiet"]
+    for argv, words in [(["eval", "--draft", str(tmp_path / "target"), "--tree", "dynamic"], ["--tree dynamic", "--draft"]),
+                        (["eval", "--method", "ngram", "--tree", "chain"], ["--tree chain", "--method ngram"]),
+                        (["compare", "--drafter", "a=ngram", "--drafter", "b=none", "--tree", "default"],
+                         ["--tree default", "--method ngram", "--method none"])]:
+        before = snapshot(tmp_path)
+        one_error_line(*cli(capsys, [*argv, *base, "--out", str(tmp_path / "out")]), *words)
+        assert snapshot(tmp_path) == before
 
 
 @pytest.mark.parametrize("damage, words", [("truncated", ["Medusa heads", "damaged"]), ("empty", ["damaged"]),

@@ -149,9 +149,84 @@ def test_replay_bad_inputs_are_one_error_line(report, tmp_path, capsys):
         (replay_argv(report, f"t={report / 'truncated-draft'}"), ["draft 't'", "damaged"]),
         (replay_argv(report, f"m={tmp_path / 'missing'}"), ["draft 'm'", "not a directory"]),
         (replay_argv(report, f"s={report / 'swapped-draft'}"), ["draft 's'", "'w10'", "tokenizer"]),
-        (replay_argv(report, good) + ["--max-new-tokens", "3"], ["more than --max-new-tokens 3"]),
+        (replay_argv(report, good) + ["--max-new-tokens", "3"], ["--max-new-tokens 3", f"report's {MAX_NEW}"]),
+        (replay_argv(report, good, outputs=str(bare / "outputs.jsonl")) + ["--max-new-tokens", "3"],
+         ["more than --max-new-tokens 3"]),
     ]
     for argv, words in cases:
         before = snapshot(report)
         one_error_line(*cli(capsys, argv), *words)
         assert snapshot(report) == before
+
+
+def copy_report(report, dst, edit_report=None, edit_row=None):
+    """A copy of the report's outputs.jsonl and report.json, each optionally edited."""
+    dst.mkdir()
+    data = json.loads((report / "report" / "report.json").read_text())
+    (dst / "report.json").write_text(json.dumps(edit_report(data) if edit_report else data))
+    rows = [json.loads(line) for line in (report / "report" / "outputs.jsonl").read_text().splitlines()]
+    write_jsonl(dst / "outputs.jsonl", [edit_row(r) if edit_row else r for r in rows])
+    return str(dst / "outputs.jsonl")
+
+
+def out_of_vocabulary(row):
+    return {**row, "baseline_token_ids": row["baseline_token_ids"][:-1] + [1000]} if row["id"] == "p3" else row
+
+
+def older_report(data):
+    """A report from before `inputs` was recorded: only config.target names the target."""
+    return {k: v for k, v in data.items() if k != "inputs"}
+
+
+def test_replay_refuses_mismatched_inputs(report, tmp_path, capsys):
+    """Outputs of another target replayed to tau 1.0 for that target as draft, other prompts under the
+    same ids to a wrong tau, a token past the vocabulary was an IndexError, a duplicate --draft name
+    and a --max-new-tokens above the report's passed silently: each is now one error line."""
+    tok = tiny_tokenizer(64)
+    save_pair(tmp_path / "other", tiny_lm(1, dtype=torch.float64), tok)
+    other = str(tmp_path / "other")
+    renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"id": f"p{i}", "prompt": f"w{30 + i} w{20 + i} w7"}
+                                                       for i in range(6)])
+    partial = write_jsonl(tmp_path / "partial.jsonl", [{"id": f"p{i}", "prompt": f"w{5 + i} w{9 + 2 * i} w{13 + i} w7"}
+                                                       for i in range(4)])
+    good = f"d={report / 'draft'}"
+    cases = [
+        (replay_argv(report, f"self={other}") + ["--target", other], ["made with the target", str(report / "target")]),
+        (replay_argv(report, f"self={other}", outputs=copy_report(report, tmp_path / "old", older_report))
+         + ["--target", other], ["made with the target"]),
+        (replay_argv(report, good, prompts=renamed), [f"{renamed}:1", "'p0'", "not the prompt the report decoded"]),
+        (replay_argv(report, good, prompts=partial), ["not in", "'p4', 'p5'"]),
+        (replay_argv(report, good, outputs=copy_report(report, tmp_path / "oov", edit_row=out_of_vocabulary)),
+         ["'p3'", "token id 1000", "64 tokens"]),
+        (replay_argv(report, good, f"d={report / 'target'}"), ["'d'", "twice"]),
+        (replay_argv(report, good) + ["--max-new-tokens", str(MAX_NEW + 6)], [f"--max-new-tokens {MAX_NEW + 6}",
+                                                                            f"report's {MAX_NEW}"]),
+    ]
+    for argv, words in cases:
+        before = snapshot(report)
+        one_error_line(*cli(capsys, argv), *words)
+        assert snapshot(report) == before
+
+
+def test_replay_accepts_a_copy_of_the_target_and_the_prompts(report, tmp_path, capsys):
+    """The check is by content: the same target in another directory, the same prompts in another file."""
+    import shutil
+
+    shutil.copytree(report / "target", tmp_path / "copy")
+    shutil.copy(report / "p.jsonl", tmp_path / "q.jsonl")
+    code, out, err = cli(capsys, replay_argv(report, f"self={tmp_path / 'copy'}", prompts=str(tmp_path / "q.jsonl"))
+                         + ["--target", str(tmp_path / "copy"), "--max-new-tokens", str(MAX_NEW)])
+    assert code == 0, err
+    assert re.match(r"self: tau [\d.]+, acceptance 1\.000 ", out)
+
+
+def test_eval_records_what_replay_checks(report):
+    from drafttrain.evaluation.report import prompt_digest, target_fingerprint
+
+    data = json.loads((report / "report" / "report.json").read_text())
+    assert data["inputs"] == {"target": str((report / "target").resolve()),
+                              "target_fingerprint": target_fingerprint(str(report / "target"))}
+    assert target_fingerprint(str(report / "draft")) != data["inputs"]["target_fingerprint"]
+    rows = [json.loads(line) for line in (report / "report" / "outputs.jsonl").read_text().splitlines()]
+    tok = tiny_tokenizer(64)
+    assert rows[0]["prompt_sha256"] == prompt_digest(tok("w5 w9 w13 w7")["input_ids"])
