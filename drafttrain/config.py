@@ -1,18 +1,18 @@
 """Recipe configs: YAML files + dotted `key=value` overrides, checked against documented dataclasses.
 
 A recipe declares its config as nested dataclasses whose fields carry a doc string
-(`documented(...)`). `load_config` reads the YAML, applies overrides such as `optim.lr=1e-4`,
+(`setting(...)`). `load_config` reads the YAML, applies overrides such as `optim.lr=1e-4`,
 and builds the dataclasses, so a typo or a wrong type fails at start-up with a one-line
 `UserError` instead of hours into a run. `describe_config` turns the same dataclasses into the
 reference of every key, so the docs cannot drift from the code.
 
     @dataclass
     class OptimConfig:
-        lr: float = documented(3e-4, doc="Peak learning rate.")
+        lr: float = setting(3e-4, doc="Peak learning rate.")
 
     @dataclass
     class Config:
-        optim: OptimConfig = documented(OptimConfig(), doc="Optimizer settings.")
+        optim: OptimConfig = setting(OptimConfig(), doc="Optimizer settings.")
 
     cfg = load_config(Config, "recipes/configs/x.yaml", ["optim.lr=1e-4"])
 """
@@ -41,23 +41,73 @@ _MUTABLE = (list, dict, set)
 # ----------------------------------------------------------------------------- declaring fields
 
 
-def documented(default: Any = dataclasses.MISSING, *, doc: str,
-               default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with a doc string. Mutable defaults (lists, dicts, dataclass
-    instances) are copied per instance, so `documented([], doc=...)` is safe."""
+def setting(default: Any = dataclasses.MISSING, doc: str = "", *, default_factory: Any = dataclasses.MISSING,
+            choices: tuple | None = None, at_least: float | None = None, above: float | None = None,
+            at_most: float | None = None, below: float | None = None, metavar: str | None = None,
+            **metadata: Any) -> Any:
+    """A settings field: the one way every setting of drafttrain is declared, for recipe configs
+    (YAML keys), for `eval`/`compare`/`replay` and for `bench` (flags, `add_flags`).
+
+    `doc` becomes the --help text and the config reference. The constraints (`choices`; the
+    bounds `at_least`, `above`, `at_most`, `below`, checked on numbers and on each element of a
+    list) are declared here, on the field, and enforced by `check_settings`, so a command checks
+    ranges without code of its own. Mutable defaults (lists, dicts, dataclass instances) are
+    copied per instance, so `setting([], doc=...)` is safe. `metadata` carries anything else a
+    command reads off the field (e.g. eval's `drafter`)."""
     if not doc or not doc.strip():
-        raise ValueError("documented() needs a non-empty doc")
+        raise ValueError("setting() needs a non-empty doc")
     if default is not dataclasses.MISSING and default_factory is not dataclasses.MISSING:
         raise ValueError("pass either default or default_factory, not both")
     if isinstance(default, _MUTABLE) or (dataclasses.is_dataclass(default) and not isinstance(default, type)):
         value = default
         default, default_factory = dataclasses.MISSING, (lambda: copy.deepcopy(value))
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={"doc": doc.strip()})
+    bounds = {k: v for k, v in (("at_least", at_least), ("above", above), ("at_most", at_most), ("below", below))
+              if v is not None}
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"doc": doc.strip(), "choices": choices, "metavar": metavar, "bounds": bounds,
+                                       **metadata})
 
 
-def doc_field(default: Any, doc: str) -> Any:
-    """Positional shorthand: `lr: float = doc_field(3e-4, "Peak learning rate.")`."""
-    return documented(default, doc=doc)
+def bound_text(bounds: dict, integer: bool) -> str:
+    """'at least 1', '>= 0', '> 0', 'in (0, 1]', ... for an error message."""
+    lo = ("[", bounds["at_least"]) if "at_least" in bounds else ("(", bounds["above"]) if "above" in bounds else None
+    hi = ("]", bounds["at_most"]) if "at_most" in bounds else (")", bounds["below"]) if "below" in bounds else None
+    if lo and hi:
+        return f"in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+    if lo:
+        if integer and lo[0] == "[":
+            return f"at least {lo[1]}"
+        return f"{'>=' if lo[0] == '[' else '>'} {lo[1]}"
+    return f"{'<=' if hi[0] == ']' else '<'} {hi[1]}"
+
+
+def _within(value, bounds: dict) -> bool:
+    """Whether a number lies within the bounds (NaN never does)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return False
+    return (value >= bounds.get("at_least", value) and value > bounds.get("above", value - 1)
+            and value <= bounds.get("at_most", value) and value < bounds.get("below", value + 1))
+
+
+def check_settings(obj, label=lambda key: key, prefix: str = "") -> None:
+    """Enforce every field's declared `choices` and bounds (nested settings too): one UserError
+    naming the setting as `label(dotted key)` shows it (a YAML key, or a flag) and the allowed range."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_settings(value, label, key + ".")
+            continue
+        if value is None:
+            continue
+        choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
+        if choices and value not in choices:
+            raise UserError(f"unknown {label(key)} {value!r}; use one of {', '.join(map(str, choices))}")
+        if bounds:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            bad = next((v for v in values if not _within(v, bounds)), None)
+            if bad is not None or (isinstance(value, float) and value != value):
+                integer = all(isinstance(b, int) for b in bounds.values()) and isinstance(bad, int)
+                raise UserError(f"{label(key)} must be {bound_text(bounds, integer)}, got {value}")
 
 
 def field_doc(f: dataclasses.Field) -> str:
@@ -408,3 +458,79 @@ def _type_hints(cls: type) -> dict[str, Any]:
     except NameError as e:
         raise TypeError(f"cannot resolve the field types of {cls.__name__} ({e}); define config "
                         "dataclasses at module level") from e
+
+
+# ----------------------------------------------------------------------------- command-line flags from fields
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_flags(parser, cls, *, drafter: bool = True, docs: dict[str, str] | None = None) -> None:
+    """One flag per field of `cls`: `--field-name`, typed by the annotation, its doc and default as
+    help. `drafter=False` leaves out the fields marked `drafter`; `docs` replaces a field's help for
+    this command. Field metadata: `choices`, `metavar`; `group` (fields sharing one are mutually
+    exclusive flags); `negated` (a bool that defaults on: its flag is `--no-field-name`); `parse`
+    (the flag's text -> the value, e.g. a comma-separated list)."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if meta.get("drafter") and not drafter:
+            continue
+        where = parser
+        if meta.get("group"):
+            where = groups.setdefault(meta["group"], parser.add_mutually_exclusive_group())
+        doc = (docs or {}).get(f.name, meta["doc"]).replace("%", "%%")
+        kind, repeated = _scalar_type(hints[f.name])
+        if kind is bool:
+            if meta.get("negated"):
+                where.add_argument("--no-" + f.name.replace("_", "-"), action="store_false", dest=f.name,
+                                   help=f"Do not: {doc[0].lower()}{doc[1:]}")
+            else:
+                where.add_argument(flag_name(f.name), action="store_true", help=f"{doc} (default: off)", dest=f.name)
+            continue
+        kwargs: dict = {"dest": f.name, "type": meta.get("parse") or kind}
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
+        if meta.get("choices"):  # checked by check_settings, with the same message as in a config
+            kwargs.setdefault("metavar", "{" + ",".join(map(str, meta["choices"])) + "}")
+        default = _default(f)
+        if default is dataclasses.MISSING:
+            kwargs["required"] = True
+            help_text = f"{doc} (required)"
+        else:
+            shown = ",".join(map(str, default)) if meta.get("parse") and isinstance(default, list) else default
+            help_text = doc if default in (None, []) else f"{doc} (default: {shown})"
+        if repeated and not meta.get("parse"):
+            kwargs["action"] = "append"  # argparse appends to a default list: start from none
+        where.add_argument(flag_name(f.name), help=help_text, **kwargs)
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def from_args(cls, args, **overrides):
+    """The dataclass back from parsed flags (a flag not given takes its field's default);
+    `overrides` set the fields the command fixes itself."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+              if getattr(args, f.name, None) is not None}
+    values.update(overrides)
+    return cls(**values)
+
+
+def _scalar_type(hint) -> tuple[type, bool]:
+    """(argparse type, repeated flag) of an annotation: int, float, str, bool, X | None, list[X]."""
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return typing.get_args(hint)[0], True
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if args:  # X | None
+        return _scalar_type(args[0])
+    return hint, False

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from drafttrain.config import documented
+from drafttrain.config import setting
 from drafttrain.data import DataConfig, onpolicy_batch, onpolicy_step, response_window
 from drafttrain.data.collate import DistillCollator
 from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings, Drafter
@@ -57,63 +57,68 @@ assert set(typing.get_args(LossKind)) == set(LOSSES), "LossKind must list draftt
 
 @dataclass
 class DraftConfig:
-    path: str | None = documented(
+    path: str | None = setting(
         None, doc="An existing small model of the target's family (same tokenizer): a directory or hub id.")
-    from_target_layers: str | None = documented(
+    from_target_layers: str | None = setting(
         None, doc="Or build the draft from a subset of the target's decoder layers: every:N, first:N, a list "
                   "like 0,4,8, or copy:N (N layers that keep the target's copying circuit - its strongest "
                   "induction head and the previous-token head feeding it - whole). Embeddings, final norm and "
                   "LM head are copied too.")
-    freeze_embeddings: bool = documented(
+    freeze_embeddings: bool = setting(
         False, doc="Keep the draft's input embeddings and LM head fixed (the target's, when built from its layers): "
                    "a same-family draft already shares them, and the step gets cheaper.")
 
 
 @dataclass
 class LossConfig:
-    kind: LossKind = documented(
+    kind: LossKind = setting(
         "forward_kl", doc="Divergence between target (p) and draft (q): forward_kl KL(p||q), reverse_kl KL(q||p), "
                           "jsd (generalised Jensen-Shannon, see beta), tvd (total variation: 1 - TVD is the "
                           "acceptance probability), ce (cross-entropy on the target's tokens only).")
-    beta: float = documented(0.5, doc="jsd only: the mixture weight, sliding from KL(p||q) (near 0) to KL(q||p) (near 1).")
-    temperature: float = documented(1.0, doc="Both distributions are softened by this temperature before the loss.")
-    chunk_size: int = documented(
-        1024, doc="Token positions per chunk of the float32 softmaxes (bounds the loss's peak memory).")
+    beta: float = setting(0.5, doc="jsd only: the mixture weight, sliding from KL(p||q) (near 0) to KL(q||p) (near 1).",
+                         at_least=0, at_most=1)
+    temperature: float = setting(1.0, doc="Both distributions are softened by this temperature before the loss.",
+                                above=0)
+    chunk_size: int = setting(
+        1024, doc="Token positions per chunk of the float32 softmaxes (bounds the loss's peak memory).", at_least=1)
 
 
 @dataclass
 class OnPolicyConfig:
-    fraction: float = documented(
+    fraction: float = setting(
         0.0, doc="Fraction of optimizer steps (lambda in GKD) whose batches are continuations sampled from the "
-                 "current draft for the batch's prompts, scored by the target on the fly; 0: off.")
-    temperature: float = documented(1.0, doc="Sampling temperature of the draft's continuations (0: greedy).")
-    max_new_tokens: int | None = documented(
-        None, doc="Longest on-policy continuation; default data.max_response_tokens.")
+                 "current draft for the batch's prompts, scored by the target on the fly; 0: off.",
+        at_least=0, at_most=1)
+    temperature: float = setting(1.0, doc="Sampling temperature of the draft's continuations (0: greedy).",
+                                at_least=0)
+    max_new_tokens: int | None = setting(
+        None, doc="Longest on-policy continuation; default data.max_response_tokens.", at_least=1)
 
 
 @dataclass
 class DistillEvalConfig(RecipeEvalConfig):
-    num_prompts: int = documented(32, doc="Held-out prompts decoded at each evaluation (the first ones).")
-    num_draft_tokens: int = documented(
-        NUM_DRAFT_TOKENS, doc="K: draft tokens proposed per target verification step (the default K of `drafttrain eval`).")
+    num_prompts: int = setting(32, doc="Held-out prompts decoded at each evaluation (the first ones).", at_least=1)
+    num_draft_tokens: int = setting(
+        NUM_DRAFT_TOKENS, doc="K: draft tokens proposed per target verification step (the default K of `drafttrain eval`).",
+        at_least=1)
 
 
 @dataclass
 class DistillConfig(RecipeConfig):
-    output_dir: str = documented(
+    output_dir: str = setting(
         doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, initial/ and final/ "
             "drafts, eval/. Started again with the same directory and config, the run resumes; with another "
             "config it is refused (--overwrite starts over).")
-    data: DataConfig = documented(
+    data: DataConfig = setting(
         default_factory=DataConfig,
         doc="Prompts and the target's answers to them. With data.store_topk > 0 the loss reads the target's "
             "stored top-k log-probs instead of running the target (an approximation: the rest of the "
             "probability mass is spread evenly over the other tokens); on-policy batches always run it.")
-    eval: DistillEvalConfig = documented(
+    eval: DistillEvalConfig = setting(
         default_factory=DistillEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
-    draft: DraftConfig = documented(default_factory=DraftConfig, doc="Where the draft starts from (give one).")
-    loss: LossConfig = documented(default_factory=LossConfig, doc="The distillation loss.")
-    onpolicy: OnPolicyConfig = documented(default_factory=OnPolicyConfig, doc="On-policy (GKD) batches.")
+    draft: DraftConfig = setting(default_factory=DraftConfig, doc="Where the draft starts from (give one).")
+    loss: LossConfig = setting(default_factory=LossConfig, doc="The distillation loss.")
+    onpolicy: OnPolicyConfig = setting(default_factory=OnPolicyConfig, doc="On-policy (GKD) batches.")
 
     def validate(self) -> None:
         super().validate()
@@ -126,24 +131,9 @@ class DistillConfig(RecipeConfig):
 
         if self.loss.kind not in LOSSES:
             raise UserError(f"loss.kind {self.loss.kind!r} is unknown; use one of {', '.join(LOSSES)}")
-        if not 0.0 <= self.loss.beta <= 1.0:
-            raise UserError(f"loss.beta must be in [0, 1], got {self.loss.beta}")
-        if not self.loss.temperature > 0:
-            raise UserError(f"loss.temperature must be > 0, got {self.loss.temperature}")
-        if self.loss.chunk_size < 1:
-            raise UserError(f"loss.chunk_size must be >= 1, got {self.loss.chunk_size}")
-
-        if not 0.0 <= self.onpolicy.fraction <= 1.0:
-            raise UserError(f"onpolicy.fraction must be in [0, 1], got {self.onpolicy.fraction}")
-        if self.onpolicy.temperature < 0:
-            raise UserError(f"onpolicy.temperature must be >= 0 (0 = greedy), got {self.onpolicy.temperature}")
-        if self.onpolicy.max_new_tokens is not None and self.onpolicy.max_new_tokens < 1:
-            raise UserError(f"onpolicy.max_new_tokens must be >= 1, got {self.onpolicy.max_new_tokens}")
         if self.onpolicy.fraction > 0 and self.loss.kind == "ce":
             raise UserError("onpolicy.fraction > 0 needs the target's distribution, but loss.kind=ce only uses its "
                             "tokens; pick forward_kl, reverse_kl, jsd or tvd, or set onpolicy.fraction=0")
-        if self.eval.num_draft_tokens < 1:
-            raise UserError(f"eval.num_draft_tokens must be >= 1, got {self.eval.num_draft_tokens}")
 
 
 # ----------------------------------------------------------------------------- the recipe

@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from drafttrain.config import documented
+from drafttrain.config import setting
 from drafttrain.data import DataConfig
 from drafttrain.data.collate import DistillCollator
 from drafttrain.decoding import NUM_DRAFT_TOKENS
@@ -61,24 +61,27 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # targets whose layer the dr
 
 @dataclass
 class Eagle3ArchConfig:
-    vocab_size: int = documented(
+    vocab_size: int = setting(
         16000, doc="Draft vocabulary: the N tokens the target uses most in its training answers (EOS always). "
-                   "Larger covers more of what the target says; smaller makes each drafting step cheaper.")
-    aux_layer_ids: list[int] | None = documented(
+                   "Larger covers more of what the target says; smaller makes each drafting step cheaper.",
+        at_least=2)
+    aux_layer_ids: list[int] | None = setting(
         None, doc="The target's hidden states the draft reads, as transformers' output_hidden_states indices "
                   "(i = the output of layer i-1): a low, a middle and a high layer. null: (2, L//2, L-3), the "
                   "default of vLLM and SGLang, so the exported draft needs no layer setting there.")
-    freeze_lm_head: bool = documented(
+    freeze_lm_head: bool = setting(
         False, doc="Keep the draft's LM head at its start (the target's LM head rows of the draft vocabulary).")
 
 
 @dataclass
 class Eagle3LossConfig:
-    ttt_steps: int = documented(
+    ttt_steps: int = setting(
         3, doc="Training-time test: steps the draft is unrolled on its own outputs per position (step 0 reads "
-               "the target's features; step j its own step j-1 output).")
-    decay: float = documented(0.8, doc="Step j's loss is weighted decay^j (normalised): later drafts count less.")
-    teacher: Literal["auto", "hidden", "topk"] = documented(
+               "the target's features; step j its own step j-1 output). At most data.max_seq_len: each step "
+               "costs a forward of the whole sequence, and past it no position is left to train.", at_least=1)
+    decay: float = setting(0.8, doc="Step j's loss is weighted decay^j (normalised): later drafts count less.",
+                          above=0, at_most=1)
+    teacher: Literal["auto", "hidden", "topk"] = setting(
         "auto", doc="The target's distribution in the loss: hidden = its final hidden state times its LM head's "
                     "rows of the draft vocabulary (exact); topk = the top-k log-probs stored with the data "
                     "(data.store_topk, no LM head at all); auto = topk when stored, else hidden.")
@@ -86,13 +89,13 @@ class Eagle3LossConfig:
 
 @dataclass
 class Eagle3FeaturesConfig:
-    keep_in_memory: bool = documented(
+    keep_in_memory: bool = setting(
         False, doc="Compute the target's features of each training example once (the example alone, so they do "
                    "not depend on its batch and a resume stays exact) and keep them in RAM for its later epochs: "
                    "for small data sets trained several epochs, where the target's forward dominates a step (a "
                    "CPU). Costs examples x tokens x 3*H values (4*H with the hidden teacher) of the target's "
                    "dtype. false: one target forward per batch.")
-    shard_target: bool = documented(
+    shard_target: bool = setting(
         False, doc="Under an FSDP or DeepSpeed ZeRO-3 launch, shard the frozen target across the ranks too, so each "
                    "GPU holds 1/N of it (loaded whole into CPU memory first). Every rank then runs the same target "
                    "forwards in lockstep: it generates the training answers and decodes the held-out prompts with the "
@@ -101,40 +104,39 @@ class Eagle3FeaturesConfig:
 
 @dataclass
 class Eagle3EvalConfig(RecipeEvalConfig):
-    num_draft_tokens: int = documented(
-        NUM_DRAFT_TOKENS, doc="K: the chain's drafts per step, or the dynamic tree's depth.")
-    tree: Literal["chain", "dynamic"] = documented(
+    num_draft_tokens: int = setting(
+        NUM_DRAFT_TOKENS, doc="K: the chain's drafts per step, or the dynamic tree's depth.", at_least=1)
+    tree: Literal["chain", "dynamic"] = setting(
         "chain", doc="How held-out acceptance is measured (and the best weights picked): chain of K, or "
                      "EAGLE-2's dynamic tree (tree_nodes, tree_topk).")
-    tree_nodes: int = documented(32, doc="Dynamic tree: nodes verified per step, the pending token included.")
-    tree_topk: int = documented(4, doc="Dynamic tree: nodes expanded per depth, children drafted per node.")
+    tree_nodes: int = setting(32, doc="Dynamic tree: nodes verified per step, the pending token included.",
+                              at_least=2)
+    tree_topk: int = setting(4, doc="Dynamic tree: nodes expanded per depth, children drafted per node.", at_least=1)
 
 
 @dataclass
 class Eagle3RecipeConfig(RecipeConfig):
-    output_dir: str = documented(
+    output_dir: str = setting(
         doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/ (the draft in "
             "SGLang's and vLLM's EAGLE-3 layout), eval/. Started again with the same directory and config, the "
             "run resumes; with another config it is refused (--overwrite starts over).")
-    data: DataConfig = documented(
+    data: DataConfig = setting(
         default_factory=DataConfig,
         doc="Prompts and the target's answers to them (the draft vocabulary is counted on these answers). With "
             "data.store_topk > 0, loss.teacher auto reads the stored top-k instead of the target's LM head.")
-    eval: Eagle3EvalConfig = documented(
+    eval: Eagle3EvalConfig = setting(
         default_factory=Eagle3EvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
-    draft: Eagle3ArchConfig = documented(default_factory=Eagle3ArchConfig, doc="The draft's shape.")
-    loss: Eagle3LossConfig = documented(default_factory=Eagle3LossConfig, doc="The training-time-test loss.")
-    features: Eagle3FeaturesConfig = documented(
+    draft: Eagle3ArchConfig = setting(default_factory=Eagle3ArchConfig, doc="The draft's shape.")
+    loss: Eagle3LossConfig = setting(default_factory=Eagle3LossConfig, doc="The training-time-test loss.")
+    features: Eagle3FeaturesConfig = setting(
         default_factory=Eagle3FeaturesConfig, doc="Where each step's target features come from.")
 
     def validate(self) -> None:
         super().validate()
-        if self.draft.vocab_size < 2:
-            raise UserError(f"draft.vocab_size must be >= 2, got {self.draft.vocab_size}")
-        if self.loss.ttt_steps < 1:
-            raise UserError(f"loss.ttt_steps must be >= 1, got {self.loss.ttt_steps}")
-        if not 0.0 < self.loss.decay <= 1.0:
-            raise UserError(f"loss.decay must be in (0, 1], got {self.loss.decay}")
+        if self.loss.ttt_steps > self.data.max_seq_len:
+            raise UserError(f"loss.ttt_steps {self.loss.ttt_steps} exceeds data.max_seq_len {self.data.max_seq_len}: "
+                            "each step unrolls the draft over the whole sequence, and past it no position is left "
+                            "to train; use a few steps (EAGLE-3 trains 3 to 7)")
         if self.loss.teacher == "topk" and not self.data.store_topk:
             raise UserError("loss.teacher=topk reads the target's stored top-k, but data.store_topk is 0; set "
                             "data.store_topk (e.g. 32) or loss.teacher=hidden")
@@ -144,11 +146,6 @@ class Eagle3RecipeConfig(RecipeConfig):
         if self.data.prompt_loss_weight:
             raise UserError("data.prompt_loss_weight is a distillation setting; an EAGLE-3 draft trains on response "
                             "positions only, so set data.prompt_loss_weight=0")
-        if self.eval.num_draft_tokens < 1:
-            raise UserError(f"eval.num_draft_tokens must be >= 1, got {self.eval.num_draft_tokens}")
-        if self.eval.tree_nodes < 2 or self.eval.tree_topk < 1:
-            raise UserError(f"eval.tree_nodes must be >= 2 and eval.tree_topk >= 1, got {self.eval.tree_nodes} and "
-                            f"{self.eval.tree_topk}")
 
 
 # ----------------------------------------------------------------------------- the recipe

@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from drafttrain.config import documented
+from drafttrain.config import setting
 from drafttrain.data import response_window
 from drafttrain.decoding import DecodeSettings, Drafter
 from drafttrain.errors import UserError
@@ -57,98 +57,88 @@ from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, r
 
 @dataclass
 class HeadsArchConfig:
-    num_heads: int = documented(
+    num_heads: int = setting(
         4, doc="Medusa heads. Head i (0-based) reads the target's last hidden state at position t and predicts "
-               "the token at t + 2 + i (the target itself predicts t + 1).")
-    num_layers: int = documented(
-        1, doc="Residual blocks h + SiLU(W h + b) per head (vLLM's num_hidden_layers); they start as the identity.")
-    train_lm_heads: bool = documented(
+               "the token at t + 2 + i (the target itself predicts t + 1).", at_least=1)
+    num_layers: int = setting(
+        1, doc="Residual blocks h + SiLU(W h + b) per head (vLLM's num_hidden_layers); they start as the identity.",
+        at_least=0)
+    train_lm_heads: bool = setting(
         True, doc="Train each head's own LM head (vocab x hidden, initialised from the target's). false: only the "
                   "residual blocks train (hidden^2 parameters per block): much cheaper, the option for CPU.")
 
 
 @dataclass
 class HeadsLossConfig:
-    kind: Literal["kl", "ce"] = documented(
+    kind: Literal["kl", "ce"] = setting(
         "kl", doc="kl: self-distillation, KL(target || head) from the target's own distribution for the head's "
                   "token (its logits at t + 1 + i); ce: cross-entropy on the target-generated token t + 2 + i.")
-    decay: float = documented(
+    decay: float = setting(
         0.8, doc="Head i's loss is weighted decay^i (a later head's token is only used when every earlier one "
-                 "was accepted); the weights are normalised to sum to 1.")
-    chunk_size: int = documented(
-        1024, doc="Token positions per chunk of the float32 softmaxes (bounds the loss's peak memory).")
+                 "was accepted); the weights are normalised to sum to 1.", above=0, at_most=1)
+    chunk_size: int = setting(
+        1024, doc="Token positions per chunk of the float32 softmaxes (bounds the loss's peak memory).", at_least=1)
 
 
 @dataclass
 class HeadsLoraConfig:
-    enabled: bool = documented(
+    enabled: bool = setting(
         False, doc="false: Medusa-1, the target is frozen and only the heads train. true: Medusa-2, LoRA adapters "
                    "on the target (peft, `pip install 'drafttrain[heads]'`) train jointly with the heads; the "
                    "verifier becomes the adapted target, exported merged to final/target/.")
-    r: int = documented(8, doc="LoRA rank.")
-    alpha: float = documented(16.0, doc="LoRA alpha (the update is scaled by alpha / r).")
-    dropout: float = documented(0.05, doc="Dropout on the LoRA branch's input during training.")
-    target_modules: list[str] = documented(
+    r: int = setting(8, doc="LoRA rank.", at_least=1)
+    alpha: float = setting(16.0, doc="LoRA alpha (the update is scaled by alpha / r).", above=0)
+    dropout: float = setting(0.05, doc="Dropout on the LoRA branch's input during training.", at_least=0, below=1)
+    target_modules: list[str] = setting(
         ["q_proj", "k_proj", "v_proj", "o_proj"],
         doc="Names of the target's linear layers that get adapters (default: the attention projections of "
             "Llama/Qwen/Mistral-style models; add gate_proj, up_proj, down_proj for the MLPs).")
-    lm_loss: Literal["kl", "ce"] = documented(
+    lm_loss: Literal["kl", "ce"] = setting(
         "kl", doc="What keeps the adapted target's outputs close to the original's: kl = KL(original || adapted) "
                   "of the next-token distributions at response positions (the original's logits come from a "
                   "second forward with the adapters disabled); ce = cross-entropy on the target-generated tokens "
                   "(no second forward, but it only holds on to the greedy tokens, not the distribution).")
-    lm_loss_weight: float = documented(
-        1.0, doc="Weight of that language-model loss; the heads' loss has weight 1.")
-    heads_warmup_steps: int = documented(
+    lm_loss_weight: float = setting(
+        1.0, doc="Weight of that language-model loss; the heads' loss has weight 1.", at_least=0)
+    heads_warmup_steps: int = setting(
         0, doc="For the first N optimizer steps the heads' loss does not reach the adapters (Medusa-2's "
-               "warm-up: fresh heads settle before they pull on the target).")
+               "warm-up: fresh heads settle before they pull on the target).", at_least=0)
 
 
 @dataclass
 class HeadsEvalConfig(RecipeEvalConfig):
-    tree_depth: int | None = documented(
+    tree_depth: int | None = setting(
         None, doc="Depth of the candidate tree (drafttrain's default Medusa tree cut to this depth, the same "
                   "tree `drafttrain eval --heads` uses with --num-draft-tokens set to it); default: num_heads.")
-    tree_nodes: int = documented(
+    tree_nodes: int = setting(
         22, doc="After training, the heads' top-k accuracy is measured on the held-out prompts and the tree with "
                 "this many nodes (besides the root) and the largest expected acceptance is stored with them; "
-                "`drafttrain eval --tree auto` (the default) uses it. 0: no calibration, keep the default tree.")
-    calibration_topk: int = documented(8, doc="Top-k choices per head considered for the calibrated tree.")
+                "`drafttrain eval --tree auto` (the default) uses it. 0: no calibration, keep the default tree.",
+        at_least=0)
+    calibration_topk: int = setting(8, doc="Top-k choices per head considered for the calibrated tree.", at_least=1)
 
 
 @dataclass
 class HeadsConfig(RecipeConfig):
-    output_dir: str = documented(
+    output_dir: str = setting(
         doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/ (heads in "
             "vLLM's format; Medusa-2 also final/target/), eval/. Started again with the same directory and config, "
             "the run resumes; with another config it is refused (--overwrite starts over).")
-    eval: HeadsEvalConfig = documented(
+    eval: HeadsEvalConfig = setting(
         default_factory=HeadsEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
-    heads: HeadsArchConfig = documented(default_factory=HeadsArchConfig, doc="The heads' shape and what trains.")
-    loss: HeadsLossConfig = documented(default_factory=HeadsLossConfig, doc="The heads' loss.")
-    lora: HeadsLoraConfig = documented(default_factory=HeadsLoraConfig, doc="Medusa-2: LoRA on the target.")
+    heads: HeadsArchConfig = setting(default_factory=HeadsArchConfig, doc="The heads' shape and what trains.")
+    loss: HeadsLossConfig = setting(default_factory=HeadsLossConfig, doc="The heads' loss.")
+    lora: HeadsLoraConfig = setting(default_factory=HeadsLoraConfig, doc="Medusa-2: LoRA on the target.")
 
     def validate(self) -> None:
         super().validate()
         if self.data.prompt_loss_weight:
             raise UserError("data.prompt_loss_weight is a distillation setting; heads train on response positions "
                             "only, so set data.prompt_loss_weight=0")
-        if self.heads.num_heads < 1:
-            raise UserError(f"heads.num_heads must be >= 1, got {self.heads.num_heads}")
-        if self.heads.num_layers < 0:
-            raise UserError(f"heads.num_layers must be >= 0, got {self.heads.num_layers}")
         if self.heads.num_layers == 0 and not self.heads.train_lm_heads:
             raise UserError("with heads.num_layers=0 and heads.train_lm_heads=false nothing would train; "
                             "set heads.num_layers >= 1 or heads.train_lm_heads=true")
-        if not 0.0 < self.loss.decay <= 1.0:
-            raise UserError(f"loss.decay must be in (0, 1], got {self.loss.decay}")
-        if self.loss.chunk_size < 1:
-            raise UserError(f"loss.chunk_size must be >= 1, got {self.loss.chunk_size}")
         self._validate_lora()
-        if self.eval.tree_nodes < 0:
-            raise UserError(f"eval.tree_nodes must be >= 0 (0 = no calibrated tree), got {self.eval.tree_nodes}")
-        if self.eval.calibration_topk < 1:
-            raise UserError(f"eval.calibration_topk must be >= 1, got {self.eval.calibration_topk}")
         if self.eval.tree_depth is not None and not 1 <= self.eval.tree_depth <= self.heads.num_heads:
             raise UserError(f"eval.tree_depth must be between 1 and heads.num_heads ({self.heads.num_heads}), "
                             f"got {self.eval.tree_depth}")
@@ -164,18 +154,8 @@ class HeadsConfig(RecipeConfig):
             return
         if importlib.util.find_spec("peft") is None:
             raise UserError("lora.enabled=true (Medusa-2) needs the peft package; pip install 'drafttrain[heads]'")
-        if lora.r < 1:
-            raise UserError(f"lora.r must be >= 1, got {lora.r}")
-        if not lora.alpha > 0:
-            raise UserError(f"lora.alpha must be > 0, got {lora.alpha}")
-        if not 0.0 <= lora.dropout < 1.0:
-            raise UserError(f"lora.dropout must be in [0, 1), got {lora.dropout}")
         if not lora.target_modules:
             raise UserError("lora.target_modules is empty; name the target's linear layers, e.g. [q_proj, v_proj]")
-        if lora.lm_loss_weight < 0:
-            raise UserError(f"lora.lm_loss_weight must be >= 0, got {lora.lm_loss_weight}")
-        if lora.heads_warmup_steps < 0:
-            raise UserError(f"lora.heads_warmup_steps must be >= 0, got {lora.heads_warmup_steps}")
 
     @property
     def kind(self) -> str:

@@ -159,7 +159,7 @@ def test_llama_8b_parameters_are_counted_without_allocating():
 
 def test_a_shape_that_does_not_fit_in_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
     """llama-8b on the CPU was killed by the kernel at ~20 GB after 205 s, with no message."""
-    import drafttrain.bench as bench
+    import drafttrain.bench.target as bench
 
     def never(*args, **kwargs):
         raise AssertionError("the shape was built although it does not fit")
@@ -176,7 +176,7 @@ def test_a_shape_that_does_not_fit_in_memory_is_refused_before_it_is_built(tmp_p
 def test_a_shape_that_fits_passes_the_memory_check(monkeypatch):
     import torch
 
-    import drafttrain.bench as bench
+    import drafttrain.bench.target as bench
 
     monkeypatch.setattr(bench, "available_memory", lambda device: 64 * 2**30)
     bench.check_shape_fits("llama-8b", torch.bfloat16, torch.device("cpu"))  # 8.03e9 x 2 x 1.2 = 17.9 GiB

@@ -9,13 +9,15 @@ import pytest
 import yaml
 
 from drafttrain.config import (
+    add_flags,
+    check_settings,
     config_from_argv,
     config_to_dict,
     describe_config,
-    doc_field,
-    documented,
     dump_config_yaml,
+    from_args,
     load_config,
+    setting,
     undocumented_fields,
 )
 from drafttrain.errors import UserError
@@ -23,45 +25,45 @@ from drafttrain.errors import UserError
 
 @dataclass
 class Source:
-    path: str = documented(doc="JSONL file to read.")
-    weight: float = doc_field(1.0, "Sampling weight.")
+    path: str = setting(doc="JSONL file to read.")
+    weight: float = setting(1.0, "Sampling weight.")
 
 
 @dataclass
 class Optim:
-    lr: float = doc_field(3e-4, "Peak learning rate.")
-    betas: tuple[float, float] = doc_field((0.9, 0.95), "AdamW betas.")
-    schedule: Literal["cosine", "linear", "constant"] = doc_field("cosine", "LR schedule.")
+    lr: float = setting(3e-4, "Peak learning rate.")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas.")
+    schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "LR schedule.")
 
 
 @dataclass
 class Data:
-    sources: list[Source] = documented([], doc="Training sources.")
-    max_len: int = doc_field(512, "Tokens per sequence.")
-    seed: Optional[int] = doc_field(None, "Shuffle seed; null = unshuffled.")
+    sources: list[Source] = setting([], doc="Training sources.")
+    max_len: int = setting(512, "Tokens per sequence.")
+    seed: Optional[int] = setting(None, "Shuffle seed; null = unshuffled.")
 
 
 @dataclass
 class Teacher:
-    path: str = documented(doc="Teacher model directory.")
-    temperature: float = doc_field(1.0, "Softmax temperature.")
+    path: str = setting(doc="Teacher model directory.")
+    temperature: float = setting(1.0, "Softmax temperature.")
 
 
 @dataclass
 class Recipe:
-    run_name: str = doc_field("run", "Name of the run.")
-    steps: int = doc_field(100, "Optimizer steps.")
-    bf16: bool = doc_field(False, "Train in bfloat16.")
-    tags: list[str] = documented(["a"], doc="Free-form tags.")
-    out: Path = doc_field(Path("out"), "Output directory.")
-    optim: Optim = documented(Optim(), doc="Optimizer settings.")
-    data: Data = documented(Data(), doc="Data settings.")
-    teacher: Optional[Teacher] = doc_field(None, "Optional teacher.")
+    run_name: str = setting("run", "Name of the run.")
+    steps: int = setting(100, "Optimizer steps.")
+    bf16: bool = setting(False, "Train in bfloat16.")
+    tags: list[str] = setting(["a"], doc="Free-form tags.")
+    out: Path = setting(Path("out"), "Output directory.")
+    optim: Optim = setting(Optim(), doc="Optimizer settings.")
+    data: Data = setting(Data(), doc="Data settings.")
+    teacher: Optional[Teacher] = setting(None, "Optional teacher.")
 
 
 @dataclass
 class Sloppy:
-    ok: int = doc_field(1, "Documented.")
+    ok: int = setting(1, "Documented.")
     bad: int = 2
     inner: Source = dataclasses.field(default_factory=lambda: Source("x"))
 
@@ -173,7 +175,7 @@ def test_every_field_is_documented_and_described():
 
 def test_documented_requires_doc():
     with pytest.raises(ValueError):
-        documented(1, doc="  ")
+        setting(1, doc="  ")
 
 
 def test_config_from_argv(tmp_path, capsys):
@@ -201,3 +203,56 @@ def test_parse_argv_takes_the_flags_it_is_given(tmp_path, capsys):
         parse_argv(Recipe, ["--help"], prog="r.py", flags=flags)
     out = capsys.readouterr().out
     assert out.startswith("usage: r.py --config FILE.yaml [--overwrite] [key=value ...]") and "Start over." in out
+
+
+# ----------------------------------------------------------------------------- declared constraints
+
+
+@dataclass
+class Bounded:
+    steps: int = setting(1, "Steps.", at_least=1)
+    rate: float = setting(0.5, "A fraction.", above=0, at_most=1)
+    drop: float = setting(0.0, "Dropout.", at_least=0, below=1)
+    alphas: list[float] = setting([0.5], "Rates.", at_least=0, at_most=1)
+    mode: str = setting("a", "Mode.", choices=("a", "b"))
+    limit: Optional[int] = setting(None, "Unset: all.", at_least=1)
+
+
+@dataclass
+class Outer:
+    inner: Bounded = setting(Bounded(), doc="Nested settings.")
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"steps": 0}, "inner.steps must be at least 1, got 0"),
+    ({"rate": 0.0}, "inner.rate must be in (0, 1], got 0.0"),
+    ({"rate": 1.5}, "inner.rate must be in (0, 1], got 1.5"),
+    ({"rate": float("nan")}, "inner.rate must be in (0, 1], got nan"),
+    ({"drop": 1.0}, "inner.drop must be in [0, 1), got 1.0"),
+    ({"alphas": [0.5, 1.2]}, "inner.alphas must be in [0, 1], got [0.5, 1.2]"),
+    ({"mode": "c"}, "unknown inner.mode 'c'; use one of a, b"),
+    ({"limit": 0}, "inner.limit must be at least 1, got 0"),
+])
+def test_check_settings_enforces_what_the_field_declares(override, message):
+    with pytest.raises(UserError) as e:
+        check_settings(Outer(inner=Bounded(**override)))
+    assert str(e.value) == message
+
+
+def test_check_settings_accepts_the_edges_and_labels_flags():
+    check_settings(Outer(inner=Bounded(steps=1, rate=1.0, drop=0.0, alphas=[0.0, 1.0], limit=None)))
+    with pytest.raises(UserError, match=r"^--steps must be at least 1, got -3$"):
+        check_settings(Bounded(steps=-3), label=lambda key: "--" + key.replace("_", "-"))
+
+
+def test_flags_come_from_the_same_fields(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Bounded)
+    args = parser.parse_args(["--steps", "3", "--alphas", "0.1", "--alphas", "0.2", "--mode", "b"])
+    cfg = from_args(Bounded, args)
+    assert (cfg.steps, cfg.alphas, cfg.mode, cfg.rate, cfg.limit) == (3, [0.1, 0.2], "b", 0.5, None)
+    assert from_args(Bounded, parser.parse_args([])).alphas == [0.5]  # the default, not a shared list
+    with pytest.raises(UserError, match="unknown --mode 'c'"):  # a flag's choices: the config's own check
+        check_settings(from_args(Bounded, parser.parse_args(["--mode", "c"])), label=lambda k: "--" + k)

@@ -6,7 +6,7 @@ from drafttrain.corpus import function_prompts, stdlib_prompts
 SOURCE = '''
 import os
 
-def documented(a, b):
+def setting(a, b):
     """Add two numbers and return the sum of them, carefully."""
     total = a + b
     return total
@@ -32,7 +32,7 @@ def skipped(y):
 def test_function_prompts_cut_after_docstring():
     prompts = function_prompts(SOURCE)
     assert prompts == [
-        'def documented(a, b):\n    """Add two numbers and return the sum of them, carefully."""\n',
+        'def setting(a, b):\n    """Add two numbers and return the sum of them, carefully."""\n',
         'def method(self):\n    """A method whose docstring is long enough to count here."""\n',
     ]
 

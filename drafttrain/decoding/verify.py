@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..trees import Tree
+
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """The sampling distribution for `logits` [..., V]: temperature, then nucleus (top-p).

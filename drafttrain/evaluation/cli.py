@@ -8,7 +8,8 @@ import argparse
 import sys
 
 from .compare import run_compare
-from .config import EvalConfig, add_flags, from_args
+from ..config import add_flags, from_args
+from .config import EvalConfig
 from .replay import ReplayConfig, format_results, run_replay
 from .run import run_eval
 

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
+from ..config import check_settings, flag_name, setting
 from ..decoding import NUM_DRAFT_TOKENS
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from ..preflight import first_vocab_difference
 from ..prompts import encode_prompt, read_prompts
-from .config import DTYPE_CHOICES, option, validate_choices
+from .config import DTYPE_CHOICES
 
 
 def chain_steps(matches: list[bool] | list[list[bool]], num_draft_tokens: int, max_new_tokens: int,
@@ -128,19 +129,20 @@ def tau(num_tokens: int, accepted_lengths: list[int]) -> float:
 class ReplayConfig:
     """Greedy acceptance of drafts replayed over a report's target outputs."""
 
-    target: str = option(doc="The target the report ran (its tokenizer encodes the prompts).", metavar="T")
-    prompts: list[str] = option(doc="The prompt file(s) the report ran (SPEC §1); repeat for several.",
-                                metavar="FILE")
-    outputs: str = option(doc="A greedy report's outputs.jsonl (REPORT/outputs.jsonl).", metavar="FILE")
-    draft: list[str] = option(doc="A draft to replay: NAME=DIR (a draft LM) or NAME=eagle3:DIR (an EAGLE-3 draft, "
-                                  "which also loads the target); repeat for several.", metavar="NAME=DIR")
-    num_draft_tokens: int = option(NUM_DRAFT_TOKENS, "K: draft tokens per verification step.", metavar="K")
-    max_new_tokens: int | None = option(None, "The report's --max-new-tokens (unset: read from the report.json "
-                                        "beside --outputs).", metavar="N")
-    dtype: str = option("auto", "The drafts' dtype; auto is bfloat16 on CUDA, float32 on CPU.",
-                        choices=DTYPE_CHOICES)
-    device: str = option("auto", "auto, cpu, cuda or cuda:N.")
-    quiet: bool = option(False, "No progress bar.")
+    target: str = setting(doc="The target the report ran (its tokenizer encodes the prompts).", metavar="T")
+    prompts: list[str] = setting(doc="The prompt file(s) the report ran (SPEC §1); repeat for several.",
+                                 metavar="FILE")
+    outputs: str = setting(doc="A greedy report's outputs.jsonl (REPORT/outputs.jsonl).", metavar="FILE")
+    draft: list[str] = setting(doc="A draft to replay: NAME=DIR (a draft LM) or NAME=eagle3:DIR (an EAGLE-3 draft, "
+                               "which also loads the target); repeat for several.", metavar="NAME=DIR")
+    num_draft_tokens: int = setting(NUM_DRAFT_TOKENS, "K: draft tokens per verification step.", metavar="K",
+                                    at_least=1)
+    max_new_tokens: int | None = setting(None, "The report's --max-new-tokens (unset: read from the report.json "
+                                         "beside --outputs).", metavar="N")
+    dtype: str = setting("auto", "The drafts' dtype; auto is bfloat16 on CUDA, float32 on CPU.",
+                         choices=DTYPE_CHOICES)
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N.")
+    quiet: bool = setting(False, "No progress bar.")
 
 
 @dataclass
@@ -354,9 +356,7 @@ def load_replay_draft(cfg: ReplayConfig, name: str, kind: str, path: str, tokeni
 def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
     from tqdm.auto import tqdm
 
-    validate_choices(cfg)
-    if cfg.num_draft_tokens < 1:
-        raise UserError(f"--num-draft-tokens must be at least 1, got {cfg.num_draft_tokens}")
+    check_settings(cfg, flag_name)
     drafts = parse_drafts(cfg.draft)
     outputs = read_outputs(cfg.outputs)
     max_new = replay_max_new_tokens(cfg, outputs)

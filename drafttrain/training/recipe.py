@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ..config import config_to_dict, documented, parse_argv
+from ..config import check_settings, config_to_dict, parse_argv, setting
 from ..data.collate import DistillCollator
 from ..data.config import DataConfig
 from ..data.generation import target_fingerprint
@@ -69,8 +69,8 @@ RECIPE_FLAGS = {
 
 @dataclass
 class RecipeEvalConfig:
-    num_prompts: int = documented(16, doc="Held-out prompts decoded at each evaluation (the first ones).")
-    max_new_tokens: int = documented(64, doc="Tokens generated per prompt during evaluation.")
+    num_prompts: int = setting(16, doc="Held-out prompts decoded at each evaluation (the first ones).", at_least=1)
+    max_new_tokens: int = setting(64, doc="Tokens generated per prompt during evaluation.", at_least=1)
 
 
 @dataclass
@@ -78,20 +78,20 @@ class RecipeConfig:
     """The fields and checks every recipe shares; a recipe's config subclasses it, adds its own
     sections, and may re-declare `eval` with a RecipeEvalConfig subclass."""
 
-    output_dir: str = documented(
+    output_dir: str = setting(
         doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/, eval/. "
             "Started again with the same directory and config, the run resumes; with another config it is "
             "refused (--overwrite starts over).")
-    target: str = documented(doc="The target model: a local directory or hub id. ${VAR}s are expanded "
+    target: str = setting(doc="The target model: a local directory or hub id. ${VAR}s are expanded "
                                  "(${DRAFTTRAIN_HOME} defaults to ~/.cache/drafttrain).")
-    target_dtype: TargetDtype = documented(
+    target_dtype: TargetDtype = setting(
         "auto", doc="dtype of the target: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16, "
                     "float64. What trains is float32 (see train.mixed_precision).")
-    export_dtype: ExportDtype = documented("float32", doc="dtype of the exported drafter's weights.")
-    data: DataConfig = documented(default_factory=DataConfig, doc="Prompts and the target's answers to them.")
-    optim: OptimConfig = documented(default_factory=OptimConfig, doc="Optimizer and learning-rate schedule.")
-    train: TrainConfig = documented(default_factory=TrainConfig, doc="Training loop, checkpoints and logging.")
-    eval: RecipeEvalConfig = documented(
+    export_dtype: ExportDtype = setting("float32", doc="dtype of the exported drafter's weights.")
+    data: DataConfig = setting(default_factory=DataConfig, doc="Prompts and the target's answers to them.")
+    optim: OptimConfig = setting(default_factory=OptimConfig, doc="Optimizer and learning-rate schedule.")
+    train: TrainConfig = setting(default_factory=TrainConfig, doc="Training loop, checkpoints and logging.")
+    eval: RecipeEvalConfig = setting(
         default_factory=RecipeEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
 
     def validate(self) -> None:
@@ -118,10 +118,7 @@ class RecipeConfig:
         if data.heldout_size == 0 or (data.heldout_size is None and data.heldout_fraction == 0):
             raise UserError("evaluation needs held-out prompts; set data.heldout_size > 0 or data.heldout_fraction > 0")
         self.train.validate()
-        self.optim.validate()
-        for key in ("num_prompts", "max_new_tokens"):
-            if getattr(self.eval, key) < 1:
-                raise UserError(f"eval.{key} must be >= 1, got {getattr(self.eval, key)}")
+        check_settings(self)  # every section's declared choices and bounds (recipes' own sections too)
 
 
 # ----------------------------------------------------------------------------- the skeleton

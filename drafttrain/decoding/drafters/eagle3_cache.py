@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from ...eagle3.model import DraftStep, Eagle3Draft
+from ...eagle3.model import DraftStep, Eagle3Config, Eagle3Draft
 from ..engines import device_tensor, synchronize
 from ..engines.compiled import WARMUP_RUNS, CompiledStep
 
@@ -74,7 +74,7 @@ class Eagle3StaticCache(nn.Module):
     Fixed shapes and addresses are what lets one compiled step serve every length
     (`Eagle3Draft.step_in_place`; CUDA graphs replay in place)."""
 
-    def __init__(self, config: "Eagle3Config", capacity: int, *, batch_size: int = 1, device=None,
+    def __init__(self, config: Eagle3Config, capacity: int, *, batch_size: int = 1, device=None,
                  dtype: torch.dtype | None = None):
         super().__init__()
         shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)

@@ -50,3 +50,7 @@ def cached_lm(model, engine: str, *, max_length: int | None = None, compile: boo
 def as_cached_lm(target) -> CachedLM:
     """A decoder's target or draft: a cached LM as given, or a plain HF model on the eager engine."""
     return target if isinstance(target, CachedLM) else EagerLM(target)
+
+
+__all__ = ["ENGINES", "CachedLM", "EagerLM", "StaticLM", "as_cached_lm", "cached_lm", "device_tensor", "resolve_engine",
+           "static_support", "synchronize"]

@@ -1,0 +1,76 @@
+"""`drafttrain bench` settings (SPEC §6): one dataclass, from which the flags, their defaults, their
+help and their range checks come (`config.setting`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import check_settings, flag_name, setting
+from ..decoding import ENGINES, NUM_DRAFT_TOKENS
+from ..errors import UserError
+
+# Random-weight shapes built directly on the device.
+SHAPES = {
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False),
+}
+DEFAULT_ALPHAS = (0.3, 0.5, 0.7, 0.9)
+
+
+
+
+def parse_alphas(text: str) -> list[float]:
+    """`--oracle-alpha 0.3,0.5`: comma-separated acceptance rates."""
+    try:
+        values = [float(a) for a in text.split(",") if a.strip()]
+    except ValueError as e:
+        raise UserError(f"--oracle-alpha {text!r} is not a comma-separated list of numbers, e.g. 0.3,0.5,0.7,0.9"
+                        ) from e
+    if any(math.isnan(a) for a in values):
+        raise UserError(f"--oracle-alpha {text!r}: nan is not an acceptance rate")
+    return values
+
+
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What `drafttrain bench` measures, on which target and device."""
+
+    target: str | None = setting(None, "Target model: a local directory or a hub id.", metavar="T", group="target")
+    shape: str | None = setting(None, f"Random-weight target of a known shape: {', '.join(SHAPES)}.",
+                                choices=tuple(SHAPES), group="target")
+    engine: str = setting("auto", "Engine of the forward and oracle figures: auto, eager or static (plain decoding "
+                                  "is measured on every engine).", choices=ENGINES)
+    prompts: list[str] = setting([], "JSONL prompt file (SPEC §1; needs --target); repeat for several. Without it: "
+                                     "random prompts.", metavar="FILE")
+    limit: int | None = setting(4, "Prompts taken from each file.", metavar="N", at_least=1)
+    num_prompts: int = setting(4, "Random prompts (without --prompts).", metavar="N", at_least=1)
+    prompt_length: int = setting(128, "Tokens per random prompt.", metavar="N", at_least=1)
+    num_draft_tokens: int = setting(NUM_DRAFT_TOKENS, "K of the oracle.", metavar="K", at_least=1)
+    oracle_alpha: list[float] = setting(list(DEFAULT_ALPHAS), "Comma-separated per-token acceptance rates of the "
+                                        "oracle, each in [0, 1].", metavar="A,B,...", parse=parse_alphas)
+    max_new_tokens: int = setting(128, "New tokens per prompt.", metavar="N", at_least=2)
+    repeats: int = setting(3, "Timed repeats (medians reported).", metavar="N", at_least=1)
+    dtype: str = setting("auto", "auto, float32, bfloat16, float16 or float64; auto is bfloat16 on CUDA, float32 on "
+                                 "CPU.")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N.")
+    seed: int = setting(0, "Seeds the random prompts and the oracle.")
+    bandwidth_mib: int = setting(0, "Bandwidth probe size (0: 1024 on CUDA, 64 on CPU).", metavar="MIB", at_least=0)
+    hf_generate: bool = setting(True, "Also time transformers' generate.", negated=True)
+    overwrite: bool = setting(False, "Replace a non-empty --out.")
+    quiet: bool = setting(False, "No progress lines.")
+    out: str = setting(doc="Output directory (bench.json, bench.md, bench.png).", metavar="DIR")
+
+    def validate(self) -> None:
+        if (self.target is None) == (self.shape is None):
+            raise UserError("give exactly one of --target DIR and --shape (llama-8b or tiny)")
+        if self.prompts and self.target is None:
+            raise UserError("--prompts needs --target (its tokenizer encodes them); a --shape uses random prompts")
+        if not self.oracle_alpha or not all(0 <= a <= 1 for a in self.oracle_alpha):
+            raise UserError(f"--oracle-alpha must list acceptance rates in [0, 1], got {self.oracle_alpha}")
+        check_settings(self, flag_name)
