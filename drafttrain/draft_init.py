@@ -35,40 +35,40 @@ LAYER_INDEX_LISTS = ("mlp_only_layers",)
 COPY_SPEC = re.compile(r"copy:(\d+)")
 
 
-def parse_layer_spec(spec: str | list[int] | tuple[int, ...], num_layers: int) -> list[int]:
+def parse_layer_spec(layers_arg: str | list[int] | tuple[int, ...], num_layers: int) -> list[int]:
     """Turn "every:N", "first:N", "0,4,8" (negative = from the end) or a list into layer indices.
     ("copy:N" needs the target's weights: `draft_from_target` resolves it with `copy_circuit_layers`.)"""
-    if isinstance(spec, str):
-        text = spec.strip().replace(" ", "")
+    if isinstance(layers_arg, str):
+        text = layers_arg.strip().replace(" ", "")
         if COPY_SPEC.fullmatch(text):
             raise ValueError("copy:N depends on the target's weights; resolve it with copy_circuit_layers")
         mode = re.fullmatch(r"(every|first):(\d+)", text)
         if mode:
             n = int(mode.group(2))
             if n < 1:
-                raise UserError(f"layer spec {spec!r}: N must be at least 1")
+                raise UserError(f"layer layers_arg {layers_arg!r}: N must be at least 1")
             if mode.group(1) == "first" and n > num_layers:
-                raise UserError(f"layer spec {spec!r} asks for {n} layers but the target has {num_layers}")
+                raise UserError(f"layer layers_arg {layers_arg!r} asks for {n} layers but the target has {num_layers}")
             layers = list(range(0, num_layers, n)) if mode.group(1) == "every" else list(range(n))
         elif re.fullmatch(r"-?\d+(,-?\d+)*", text):
             layers = [int(x) for x in text.split(",")]
         else:
-            raise UserError(f"layer spec {spec!r} is not understood; write every:N, first:N, copy:N or "
+            raise UserError(f"layer layers_arg {layers_arg!r} is not understood; write every:N, first:N, copy:N or "
                             "a comma-separated list like 0,4,8")
-    elif isinstance(spec, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in spec):
-        layers = list(spec)
+    elif isinstance(layers_arg, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers_arg):
+        layers = list(layers_arg)
     else:
-        raise UserError(f"layer spec {spec!r} is not understood; give every:N, first:N, copy:N or a list of ints")
+        raise UserError(f"layer layers_arg {layers_arg!r} is not understood; give every:N, first:N, copy:N or a list of ints")
 
     if not layers:
-        raise UserError(f"layer spec {spec!r} selects no layers; keep at least one")
+        raise UserError(f"layer layers_arg {layers_arg!r} selects no layers; keep at least one")
     bad = [i for i in layers if not -num_layers <= i < num_layers]
     if bad:
-        raise UserError(f"layer spec {spec!r}: {bad} out of range for a target with {num_layers} layers "
+        raise UserError(f"layer layers_arg {layers_arg!r}: {bad} out of range for a target with {num_layers} layers "
                         f"(valid: 0..{num_layers - 1}, or negative from the end)")
     layers = [i % num_layers for i in layers]
     if any(b <= a for a, b in zip(layers, layers[1:])):
-        raise UserError(f"layer spec {spec!r} gives {layers}; list each layer once, in increasing order")
+        raise UserError(f"layer layers_arg {layers_arg!r} gives {layers}; list each layer once, in increasing order")
     return layers
 
 

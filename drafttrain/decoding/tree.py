@@ -19,18 +19,16 @@ from .verify import greedy_tree_verdict
 
 
 class TreeDrafter:
+    """Where a tree decoder's candidates come from. Besides the methods below, a drafter sets
+    `max_depth` (the deepest tree it drafts: K, for per-position acceptance), `max_nodes` (the
+    largest tree, root included: the static engine's bucket) and, for a static tree, `paths`
+    (Medusa paths; None for a tree grown anew every step)."""
+
     name = "tree"
     hidden_layers: tuple[int, ...] = ()
-
-    @property
-    def max_depth(self) -> int:
-        """The deepest tree it drafts: K for per-position acceptance."""
-        raise NotImplementedError
-
-    @property
-    def max_nodes(self) -> int:
-        """The largest tree it drafts, root included (the static engine's bucket)."""
-        raise NotImplementedError
+    max_depth: int
+    max_nodes: int
+    paths: list | None = None
 
     def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         """A new sequence; `hidden`: the target's hidden states of prompt[:-1] (None if empty)."""
@@ -71,7 +69,7 @@ class TreeDecoder(Decoder):
     @property
     def tree(self):
         """The drafter's static tree as Medusa paths (None for a drafter without one)."""
-        return getattr(self.drafter, "paths", None)
+        return self.drafter.paths
 
     def step_sizes(self) -> list[int]:
         return sorted({1, self.drafter.max_nodes})

@@ -13,8 +13,8 @@ from pathlib import Path
 from ..errors import UserError
 from .config import EvalConfig, shared_settings
 from .outputs import prepare_output_dir, staged_output
-from .report import (_fmt, bar_figure, per_position_figure, save_figure, scatter_figure, subtitle, write_json,
-                     write_report)
+from .report import (_fmt, bar_figure, markdown_table, per_position_figure, save_figure, scatter_figure, subtitle,
+                     write_json, write_report)
 from .run import DecoderFactory, Evaluation, check_inputs, evaluate
 
 KINDS = ("draft", "heads", "eagle3", "ngram", "none")
@@ -26,32 +26,32 @@ COMPARISON_FILES = ("comparison.md", "comparison.json", *FIGURE_CAPTIONS)
 NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
 
 
-def parse_drafter(spec: str) -> tuple[str, dict]:
+def parse_drafter(arg: str) -> tuple[str, dict]:
     """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=eagle3:DIR`, `NAME=ngram` or `NAME=none`."""
-    name, sep, what = spec.partition("=")
+    name, sep, what = arg.partition("=")
     kind, _, path = what.partition(":")
     if not sep or not name or kind not in KINDS or (kind in WITH_PATH) != bool(path):
-        raise UserError(f"--drafter {spec!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, "
+        raise UserError(f"--drafter {arg!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, "
                         "NAME=ngram or NAME=none")
-    check_drafter_name(name, spec)
+    check_drafter_name(name, arg)
     if kind in WITH_PATH:
         return name, {kind: path}
     return name, {"method": kind}
 
 
-def check_drafter_name(name: str, spec: str) -> None:
+def check_drafter_name(name: str, arg: str) -> None:
     """NAME becomes the drafter's report folder in --out: checked before any decoding, so a name
     the file system refuses, or one that is also a file compare writes, cannot fail the run at
     its very end. Compared without case, for case-insensitive file systems."""
     if "/" in name or "\\" in name or "\0" in name or name.startswith("."):
-        raise UserError(f"--drafter {spec!r}: NAME names the drafter's report folder, so it cannot contain '/', "
+        raise UserError(f"--drafter {arg!r}: NAME names the drafter's report folder, so it cannot contain '/', "
                         "'\\' or a NUL character, or start with '.'; choose another NAME")
     if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
-        raise UserError(f"--drafter {spec[:40]!r}...: NAME names the drafter's report folder and is longer than "
+        raise UserError(f"--drafter {arg[:40]!r}...: NAME names the drafter's report folder and is longer than "
                         f"{NAME_MAX} bytes; choose a shorter NAME")
     clash = next((f for f in COMPARISON_FILES if f.casefold() == name.casefold()), None)
     if clash:
-        raise UserError(f"--drafter {spec!r}: NAME names the drafter's report folder, but compare also writes "
+        raise UserError(f"--drafter {arg!r}: NAME names the drafter's report folder, but compare also writes "
                         f"{clash} into --out; choose another NAME (not one of {', '.join(COMPARISON_FILES)})")
 
 
@@ -98,24 +98,26 @@ def comparison_figures(rows: list[dict], sub: str) -> dict[str, object]:
     return figures
 
 
+# (column, row key, digits) of the comparison table
+COMPARISON_COLUMNS = [("drafter", "drafter", None), ("tau", "tau", 3), ("acceptance", "acceptance_rate", 3),
+                      ("alpha", "alpha", 3), ("tok/s", "speculative_tokens_per_s", 1),
+                      ("baseline tok/s", "baseline_tokens_per_s", 1), ("speedup", "speedup", 2),
+                      ("predicted", "predicted_speedup", 2), ("efficiency", "efficiency", 2),
+                      ("match baseline", "outputs_match_baseline", 2)]
+
+
 def render_comparison(rows: list[dict], first: dict, figures: dict) -> str:
     cfg, env = first["config"], first["environment"]
-    lines = [
-        "# Drafter comparison", "",
-        f"Target `{cfg['target']}`, {len(rows)} drafters, K={cfg['num_draft_tokens']}, temperature "
-        f"{cfg['temperature']}, max new tokens {cfg['max_new_tokens']}, {first['overall']['prompts']} prompts from "
-        f"{', '.join(cfg['prompts'])} (limit {cfg['limit']}), dtype {first['numerics']['dtype']}, on "
-        f"{env['device']}. One process: each prompt is decoded by the target alone, then by every drafter; "
-        "speedups share that baseline. Predicted speedup and efficiency: see each drafter's report.", "",
-        "| drafter | tau | acceptance | alpha | tok/s | baseline tok/s | speedup | predicted | efficiency "
-        "| match baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['drafter']} | {_fmt(r['tau'])} | {_fmt(r['acceptance_rate'])} | {_fmt(r['alpha'])} | "
-                     f"{_fmt(r['speculative_tokens_per_s'], 1)} | {_fmt(r['baseline_tokens_per_s'], 1)} | "
-                     f"{_fmt(r['speedup'], 2)} | {_fmt(r['predicted_speedup'], 2)} | {_fmt(r['efficiency'], 2)} | "
-                     f"{_fmt(r['outputs_match_baseline'], 2)} |")
+    facts = [f"Target `{cfg['target']}`", f"{len(rows)} drafters", f"K={cfg['num_draft_tokens']}",
+             f"temperature {cfg['temperature']}", f"max new tokens {cfg['max_new_tokens']}",
+             f"{first['overall']['prompts']} prompts from {', '.join(cfg['prompts'])} (limit {cfg['limit']})",
+             f"dtype {first['numerics']['dtype']}", f"on {env['device']}"]
+    lines = ["# Drafter comparison", "",
+             ", ".join(facts) + ". One process: each prompt is decoded by the target alone, then by every drafter; "
+             "speedups share that baseline. Predicted speedup and efficiency: see each drafter's report.", ""]
+    lines += markdown_table([c for c, _, _ in COMPARISON_COLUMNS],
+                            [[r["drafter"], *(_fmt(r[key], digits) for _, key, digits in COMPARISON_COLUMNS[1:])]
+                             for r in rows])
     diverged = [r for r in rows if r["divergences"]]
     if diverged:
         num = first["numerics"]

@@ -235,13 +235,13 @@ def _read_output_line(result: ReportOutputs, line: str, where: str) -> None:
         result.digests[pid] = row["prompt_sha256"]
 
 
-def parse_draft(spec: str) -> tuple[str, str, str]:
+def parse_draft(arg: str) -> tuple[str, str, str]:
     """NAME=DIR or NAME=eagle3:DIR -> (name, kind "lm" or "eagle3", directory)."""
-    name, sep, path = spec.partition("=")
+    name, sep, path = arg.partition("=")
     kind = "eagle3" if path.startswith("eagle3:") else "lm"
     path = path.removeprefix("eagle3:")
     if not sep or not name or not path:
-        raise UserError(f"--draft {spec!r}: write NAME=DIR or NAME=eagle3:DIR")
+        raise UserError(f"--draft {arg!r}: write NAME=DIR or NAME=eagle3:DIR")
     return name, kind, path
 
 

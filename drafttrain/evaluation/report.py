@@ -78,6 +78,12 @@ def _fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines."""
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
+
+
 def metrics_table(rows: dict[str, dict]) -> str:
     cols = [("prompts", "prompts"), ("new tokens", "new_tokens"), ("tau", "mean_accepted_length"),
             ("acceptance", "acceptance_rate"), ("baseline tok/s", "baseline_tokens_per_s"),

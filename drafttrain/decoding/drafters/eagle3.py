@@ -140,31 +140,20 @@ class Eagle3TreeDrafter(TreeDrafter):
         self.device = torch.device(device)
         if paths is not None:
             self.buffers = static_tree(check_paths(paths))
-            self.depth, self.nodes, self.topk = self.buffers.max_depth, self.buffers.num_nodes, self.buffers.topk
+            self.max_depth, self.max_nodes, self.topk = self.buffers.max_depth, self.buffers.num_nodes, self.buffers.topk
+            self.paths = list(self.buffers.paths)
         else:
             if depth < 1 or topk < 1 or nodes < 2:
                 raise ValueError(f"a dynamic tree needs depth >= 1, topk >= 1 and nodes >= 2, got {depth}, {topk}, "
                                  f"{nodes}")
             self.buffers = None
-            self.depth, self.topk = depth, topk
-            self.nodes = min(nodes, 1 + topk + (depth - 1) * topk * topk)  # what the expansion can produce
+            self.max_depth, self.topk = depth, topk
+            self.max_nodes = min(nodes, 1 + topk + (depth - 1) * topk * topk)  # what the expansion can produce
         self.committed = 0
 
     @property
-    def max_depth(self) -> int:
-        return self.depth
-
-    @property
-    def max_nodes(self) -> int:
-        return self.nodes
-
-    @property
-    def paths(self) -> list[Path] | None:
-        return list(self.buffers.paths) if self.buffers is not None else None
-
-    @property
     def kind(self) -> str:
-        return "static" if self.buffers is not None else f"dynamic ({self.nodes} nodes, top-{self.topk})"
+        return "static" if self.buffers is not None else f"dynamic ({self.max_nodes} nodes, top-{self.topk})"
 
     def reset(self, prompt, hidden=None):
         self.state.reset(prompt, hidden)
@@ -178,10 +167,10 @@ class Eagle3TreeDrafter(TreeDrafter):
         """(nodes expanded, tree entries so far) of each drafting forward of a full-depth pass:
         the shapes the static engine compiles."""
         if self.buffers is None:  # the dynamic tree expands `topk` nodes at every depth but the last
-            return [(self.topk, d * self.topk) for d in range(1, self.depth)]
+            return [(self.topk, d * self.topk) for d in range(1, self.max_depth)]
         depths, parents = self.buffers.depths.tolist(), self.buffers.parent.tolist()
         shapes, expanded = [], 0
-        for d in range(1, self.depth):
+        for d in range(1, self.max_depth):
             n = len({parents[c] for c in range(1, len(depths)) if depths[c] == d + 1})
             if n:
                 expanded += n
@@ -193,7 +182,7 @@ class Eagle3TreeDrafter(TreeDrafter):
 
     def draft(self, root, depth):
         last = self.state.last
-        depth = min(depth, self.depth)
+        depth = min(depth, self.max_depth)
         if last is None or depth == 0:
             return root.reshape(1), tree_from_parents([-1], self.device)
         if self.buffers is not None:
@@ -285,7 +274,7 @@ class Eagle3TreeDrafter(TreeDrafter):
             frontier = sorted(frontier)
         # The nodes - 1 most likely candidates (ties: shallower first, then earlier), in an order
         # where parents precede children: by depth, then by creation.
-        chosen = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n], n))[:self.nodes - 1]
+        chosen = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n], n))[:self.max_nodes - 1]
         chosen = sorted(chosen, key=lambda n: (depths[n], n))
         index = {0: 0, **{node: i + 1 for i, node in enumerate(chosen)}}
         tree = tree_from_parents([-1] + [index[parents[n]] for n in chosen], self.device)

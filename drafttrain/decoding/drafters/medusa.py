@@ -63,22 +63,11 @@ class MedusaDrafter(TreeDrafter):
     def __init__(self, heads: MedusaHeads, buffers: StaticTree, num_layers: int, device):
         self.heads = heads
         self.buffers = buffers
+        self.max_depth, self.max_nodes, self.paths = buffers.max_depth, buffers.num_nodes, list(buffers.paths)
         self.hidden_layers = (num_layers,)
         self.device = torch.device(device)
         self.hidden = None  # the target's last hidden state at the last cached position
         self._trees: dict[int, StaticTree] = {}  # depth-limited trees, on the device
-
-    @property
-    def max_depth(self) -> int:
-        return self.buffers.max_depth
-
-    @property
-    def max_nodes(self) -> int:
-        return self.buffers.num_nodes
-
-    @property
-    def paths(self) -> list[Path]:
-        return list(self.buffers.paths)
 
     def _tree(self, depth: int) -> StaticTree:
         """The tree cut to `depth` (prefix-closed), so no step drafts past max_new_tokens."""
