@@ -42,6 +42,7 @@ from drafttrain.export import export_draft
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
 from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
+from drafttrain.parallel import mark_parallel, mask_token_id, parallel_info, parallel_layout
 from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded
@@ -67,6 +68,13 @@ class DraftConfig:
     freeze_embeddings: bool = setting(
         False, doc="Keep the draft's input embeddings and LM head fixed (the target's, when built from its layers): "
                    "a same-family draft already shares them, and the step gets cheaper.")
+    parallel_tokens: int = setting(
+        0, doc="0: a sequential draft (K drafts, K forwards). K >= 2: a parallel draft (PARD): trained to propose K "
+               "tokens from ONE forward over the sequence and K-1 mask tokens (drafttrain.parallel); the export's "
+               "config.json names the mask as pard_token. Decode it with K <= this.", at_least=0)
+    mask_token: int | str = setting(
+        "auto", doc="Parallel drafts: the mask token, an id or a token the training text never contains; auto: the "
+                    "tokenizer's last added token that is not a special token (SmolLM2: <empty_output>).")
 
 
 @dataclass
@@ -131,6 +139,12 @@ class DistillConfig(RecipeConfig):
 
         if self.loss.kind not in LOSSES:
             raise UserError(f"loss.kind {self.loss.kind!r} is unknown; use one of {', '.join(LOSSES)}")
+        if self.draft.parallel_tokens == 1:
+            raise UserError("draft.parallel_tokens=1 drafts one token per forward, as a sequential draft does; set 0 "
+                            "(sequential) or K >= 2 (parallel)")
+        if self.draft.parallel_tokens and (self.onpolicy.fraction > 0 or self.data.prompt_loss_weight > 0):
+            raise UserError("a parallel draft (draft.parallel_tokens) trains on the target's answers only; set "
+                            "onpolicy.fraction=0 and data.prompt_loss_weight=0")
         if self.onpolicy.fraction > 0 and self.loss.kind == "ce":
             raise UserError("onpolicy.fraction > 0 needs the target's distribution, but loss.kind=ce only uses its "
                             "tokens; pick forward_kl, reverse_kl, jsd or tvd, or set onpolicy.fraction=0")
@@ -167,6 +181,8 @@ class DistillRecipe(Recipe):
         if cfg.draft.freeze_embeddings:
             draft.get_input_embeddings().requires_grad_(False)
             draft.get_output_embeddings().requires_grad_(False)
+        if cfg.draft.parallel_tokens:
+            mark_parallel(draft, mask_token_id(tokenizer, cfg.draft.mask_token), cfg.draft.parallel_tokens)
         draft.train()
         self.tokenizer, self.target, self.draft = tokenizer, target, draft
         self.target_vocab = output_vocab_size(target)
@@ -205,15 +221,18 @@ class DistillRecipe(Recipe):
         start = response_window(trained)
         keep = batch["input_ids"].shape[1] - start  # logits only from the first trained position on
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-        student = model(**inputs, logits_to_keep=keep).logits
         teacher = self.teacher(batch, inputs, start, keep, onpolicy=on)
         labels = batch["labels"][:, start:] if cfg.loss.kind == "ce" else None
+        mask = batch["loss_mask"][:, start:]
+        if cfg.draft.parallel_tokens:
+            student, teacher, labels, mask = self.parallel_student(model, batch, start, teacher, labels)
+        else:
+            student = model(**inputs, logits_to_keep=keep).logits
 
         def divergence(mask):
             return distill_loss(student, teacher, mask, kind=cfg.loss.kind, beta=cfg.loss.beta,
                                 temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size, labels=labels)
 
-        mask = batch["loss_mask"][:, start:]
         loss = divergence(mask)
         logs = {"onpolicy": float(on), "tokens": mask.sum()}
         if prompt_weight > 0:
@@ -222,6 +241,24 @@ class DistillRecipe(Recipe):
             loss = loss + prompt_weight * prompt_loss
             logs |= {"prompt_loss": prompt_loss.detach(), "prompt_tokens": prompt_mask.sum()}
         return loss, logs
+
+    def parallel_student(self, model, batch: dict, start: int, teacher, labels):
+        """A parallel draft's logits for every depth at once (`drafttrain.parallel`), and the
+        teacher, labels and loss mask repeated to match: depth b's row p learns the target's
+        distribution at p from x_0 .. x_{p-b} and b masks."""
+        depth = self.config.draft.parallel_tokens
+        layout = parallel_layout(batch["input_ids"], batch["attention_mask"], batch["position_ids"], start=start,
+                                 depth=depth, mask_id=self.draft.config.pard_token)
+        dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids,
+                       attention_mask=layout.additive_mask(dtype), logits_to_keep=layout.logits_to_keep).logits
+        if isinstance(teacher, TopKTeacher):
+            teacher = TopKTeacher(layout.repeat(teacher.ids), layout.repeat(teacher.logprobs), teacher.vocab_size)
+        elif teacher is not None:
+            teacher = layout.repeat(teacher)
+        labels = layout.repeat(labels) if labels is not None else None
+        return (layout.student(logits), teacher, labels,
+                layout.trained(batch["loss_mask"], batch["attention_mask"]))
 
     def teacher(self, batch: dict, inputs: dict, start: int, keep: int, onpolicy: bool):
         """The target's side of the loss: nothing for ce, its stored top-k when the batch carries
@@ -236,7 +273,13 @@ class DistillRecipe(Recipe):
     def evaluate(self, model) -> dict:
         e = self.config.eval
         settings = DecodeSettings(num_draft_tokens=e.num_draft_tokens, eos_token_ids=frozenset(self.eos_ids))
-        return held_out_acceptance(self.target, Drafter("draft", model), self.prompts, settings, e.max_new_tokens)
+        return held_out_acceptance(self.target, self.drafter(model), self.prompts, settings, e.max_new_tokens)
+
+    def drafter(self, model) -> Drafter:
+        """The factory's view of the draft being trained: sequential, or parallel with its mask."""
+        if self.config.draft.parallel_tokens:
+            return Drafter("parallel_draft", model, parallel_info(model.config))
+        return Drafter("draft", model)
 
     def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         cfg = self.config

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
 
 LAYERS = [
     {"__init__", "errors", "fileio", "config", "home", "tokens", "trees"},              # basics
-    {"models", "prompts", "draft_init", "export", "medusa", "eagle3", "corpus", "preflight", "assets"},  # models
+    {"models", "prompts", "draft_init", "export", "medusa", "eagle3", "parallel", "corpus", "preflight", "assets"},
     {"decoding"},                                                                       # decoders
     {"evaluation", "bench"},                                                            # eval, compare, bench
     {"data", "losses", "medusa.loss"},                                                  # answers, losses
@@ -34,7 +34,7 @@ def layer(name: str) -> int:
 
 def imports(path: Path, root: Path) -> list[str]:
     """The drafttrain modules `path` (a file under the package directory `root`) imports."""
-    module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+    module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -87,3 +87,53 @@ def test_the_check_finds_imports_from_higher_layers(tmp_path):
     (root / "medusa" / "loss.py").write_text("from ..losses import distill_loss\n")
     assert violations(root) == ["drafttrain/decoding/bad.py imports drafttrain.training.trainer",
                                 "drafttrain/medusa/model.py imports drafttrain.medusa.loss"]
+
+
+# Inside decoding/: how a model runs, then the loop and the acceptance rules, then the two
+# decoders, then where drafts come from, then the one factory that puts them together.
+DECODING_LAYERS = [
+    {"engines"},
+    {"verify", "loop", "batch"},
+    {"chain", "tree"},
+    {"drafters"},
+    {"factory", "__init__"},
+]
+
+
+def decoding_unit(dotted: str) -> str | None:
+    """'drafttrain.decoding.engines.static' -> 'engines'; None outside decoding/."""
+    parts = dotted.split(".")
+    if parts[:2] != ["drafttrain", "decoding"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def decoding_violations(root: Path) -> list[str]:
+    found = []
+    for path in sorted((root / "decoding").rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        me = decoding_unit(module)
+        for target in imports(path, root):
+            other = decoding_unit(target)
+            if other is not None and layer_of(other) > layer_of(me):
+                found.append(f"{path.relative_to(root.parent)} imports {target}")
+    return found
+
+
+def layer_of(name: str) -> int:
+    return next(i for i, names in enumerate(DECODING_LAYERS) if name in names)
+
+
+def test_decoding_modules_import_only_lower_concerns():
+    assert not decoding_violations(PACKAGE), "\n".join(decoding_violations(PACKAGE))
+    names = {decoding_unit(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"))
+             for p in (PACKAGE / "decoding").rglob("*.py")}
+    assert all(any(n in layer for layer in DECODING_LAYERS) for n in names), names
+
+
+def test_the_decoding_check_finds_an_engine_that_imports_a_drafter(tmp_path):
+    root = tmp_path / "drafttrain"
+    (root / "decoding" / "engines").mkdir(parents=True)
+    (root / "decoding" / "engines" / "bad.py").write_text("from ..drafters.ngram import NgramProposer\n")
+    (root / "decoding" / "chain.py").write_text("from .engines import CachedLM\nfrom .verify import sample\n")
+    assert decoding_violations(root) == ["drafttrain/decoding/engines/bad.py imports drafttrain.decoding.drafters.ngram"]

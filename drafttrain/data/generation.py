@@ -142,7 +142,7 @@ def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]
     bs = cfg.generation_batch_size
     static = None
     if engine == "static" and prompts:
-        from ..decoding.engines.batch import BatchGenerator
+        from ..decoding.batch import BatchGenerator
 
         longest = max(map(len, prompts))
         static = BatchGenerator(model, batch_size=min(bs, n), max_length=longest + cfg.max_response_tokens)

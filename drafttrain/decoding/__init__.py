@@ -1,8 +1,9 @@
 """Lossless speculative decoding (batch size 1): a target verifies a drafter's proposals in one pass.
 
 Where things live (read top to bottom for one step):
-- `engines/`: how a model runs, as a `CachedLM` (eager, static with compiled steps, batched);
+- `engines/`: how a model runs, as a `CachedLM` (eager, static with compiled steps);
 - `loop.py`: the decode loop every decoder shares (prefill, steps, EOS, the `Generation` record);
+  `batch.py`: batched generation of the target's answers for the recipes, on the static engine;
 - `verify.py`: the acceptance rules (greedy and sampled, chain and tree) that keep it lossless;
 - `chain.py` / `tree.py`: the chain decoder (a `Proposer` drafts K tokens) and the tree decoder
   (a `TreeDrafter` proposes a tree);

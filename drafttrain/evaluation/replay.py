@@ -22,6 +22,7 @@ from ..config import check_settings, flag_name, setting
 from ..decoding import NUM_DRAFT_TOKENS
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from ..parallel import parallel_info, parallel_layout
 from ..preflight import first_vocab_difference
 from ..prompts import encode_prompt, read_prompts
 from .config import DTYPE_CHOICES
@@ -99,14 +100,50 @@ def eagle3_matches(draft, target, prompt: list[int], target_tokens: list[int], n
     return rows
 
 
+@torch.no_grad()
+def parallel_matches(draft, prompt: list[int], target_tokens: list[int], num_draft_tokens: int,
+                     mask_id: int) -> list[list[bool]]:
+    """`chain_steps`' grid for a parallel draft, from ONE forward over (prompt + the target's output)
+    laid out for every depth at once (`drafttrain.parallel`): the step that begins with t output
+    tokens emitted (last real token at index c - 1, c = P + t) drafts its token j from depth j at
+    position c - 1 + j, which sees x_0 .. x_{c-1} and j masks, as the decoder's forward does."""
+    if not target_tokens:
+        return []
+    sequence = list(prompt) + list(target_tokens)
+    device = next(draft.parameters()).device
+    ids = torch.tensor([sequence], dtype=torch.long, device=device)
+    ones = torch.ones_like(ids)
+    k = max(num_draft_tokens, 2)
+    start = len(prompt) - 1
+    layout = parallel_layout(ids, ones, torch.arange(len(sequence), device=device)[None], start=start, depth=k,
+                             mask_id=mask_id)
+    dtype = next(draft.parameters()).dtype
+    logits = draft(input_ids=layout.input_ids, position_ids=layout.position_ids,
+                   attention_mask=layout.additive_mask(dtype), logits_to_keep=layout.logits_to_keep).logits
+    window = len(sequence) - start
+    guesses = layout.student(logits)[0].argmax(-1).view(k, window).tolist()  # [depth][position - start]
+    rows = []
+    for t in range(len(target_tokens)):
+        c = len(prompt) + t
+        rows.append([c + j < len(sequence) and guesses[j][c - 1 + j - start] == sequence[c + j]
+                     for j in range(num_draft_tokens)])
+    return rows
+
+
 def teacher_forced_steps(draft, prompt: list[int], target_tokens: list[int], *, num_draft_tokens: int,
                          max_new_tokens: int, target=None) -> tuple[list[int], list[int]]:
     """(accepted, proposed) lengths of greedy chain decoding with `draft`, where `target_tokens`
     is the target's greedy output for `prompt` (e.g. `baseline_token_ids` of outputs.jsonl).
-    `draft`: a draft LM, or an EAGLE-3 draft with its `target` (which it reads features from)."""
+    `draft`: a draft LM (sequential, or parallel when its config names a `pard_token`), or an EAGLE-3
+    draft with its `target` (which it reads features from)."""
     ended_at_eos = len(target_tokens) < max_new_tokens
-    matches = (draft_matches(draft, prompt, target_tokens) if target is None
-               else eagle3_matches(draft, target, prompt, target_tokens, num_draft_tokens))
+    parallel = parallel_info(draft.config) if target is None else None
+    if parallel:
+        matches = parallel_matches(draft, prompt, target_tokens, num_draft_tokens, parallel["pard_token"])
+    elif target is None:
+        matches = draft_matches(draft, prompt, target_tokens)
+    else:
+        matches = eagle3_matches(draft, target, prompt, target_tokens, num_draft_tokens)
     return chain_steps(matches, num_draft_tokens, max_new_tokens, ended_at_eos)
 
 

@@ -2,8 +2,7 @@
 
 - `base`: the cached-LM interface every decoder uses, the only way it touches a model;
 - `eager`: the model's own forward on transformers' DynamicCache (the reference, any model);
-- `static`: a preallocated cache and fixed-shape compiled steps (`compiled`, CUDA graphs on CUDA);
-- `batch`: batched generation of the target's answers for the recipes, on the static engine.
+- `static`: a preallocated cache and fixed-shape compiled steps (`compiled`, CUDA graphs on CUDA).
 
 A new architecture for the static engine goes in `static.py` (`static_support` and its step).
 This module chooses and builds one: `--engine auto|eager|static`.

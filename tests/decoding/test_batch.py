@@ -11,7 +11,7 @@ from test_sampling import V
 from tiny import tiny_lm, tiny_tokenizer
 
 from drafttrain.data.generation import cache_key, cut_at_eos, generate_responses, left_pad
-from drafttrain.decoding.engines.batch import BatchGenerator
+from drafttrain.decoding.batch import BatchGenerator
 from drafttrain.prompts import PromptRecord
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14], [15, 16, 17], [40, 41, 42, 43]]

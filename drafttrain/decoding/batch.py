@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from ...errors import UserError
-from ...tokens import cut_at_eos
-from ..verify import probabilities, sample
-from .base import synchronize
-from .compiled import WARMUP_RUNS
-from .static import StaticLM
+from ..errors import UserError
+from ..tokens import cut_at_eos
+from .verify import probabilities, sample
+from .engines.base import synchronize
+from .engines.compiled import WARMUP_RUNS
+from .engines.static import StaticLM
 
 
 class BatchGenerator:
