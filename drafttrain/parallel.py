@@ -13,7 +13,8 @@ x_0 .. x_{p-b} and to its own chain (block b' at position p - b + b', for b' = 1
 other chains, and real tokens never attend to masks. Its target is the target model's
 distribution at position p (for token p + 1), exactly what a decoder drafting from x_t needs.
 Mask blocks only span the trained window (plus K-1 positions of chain before it), so a sequence
-whose loss covers a short answer after a long prompt costs little more than one forward.
+whose loss covers a short answer after a long prompt costs little more than one forward; PARD's
+conditional drop (`mask_positions`' keep) thins the deeper blocks further.
 """
 
 from __future__ import annotations
@@ -64,21 +65,20 @@ def parallel_info(config) -> dict | None:
 
 @dataclass
 class ParallelLayout:
-    """A batch laid out for parallel-draft training: the real tokens [B, L], then `depth - 1`
-    blocks of masks, each covering positions `first .. L-1`, and the attention that gives every
+    """A batch laid out for parallel-draft training: the real tokens [B, L], then one block of
+    masks per depth b = 1 .. K-1 at the positions `positions[b]`, and the attention that gives every
     mask exactly what it sees at decoding time."""
 
-    input_ids: torch.Tensor       # [B, L + (depth-1) * span]
-    position_ids: torch.Tensor    # the same shape
-    attention_mask: torch.Tensor  # [B, 1, T, T] bool: True = may attend
-    depth: int                    # K: drafts per forward (the real block counts as depth 0)
-    start: int                    # the first trained position
-    first: int                    # the first position a mask block covers
-    length: int                   # L
+    input_ids: torch.Tensor          # [B, L + sum of the mask blocks' lengths]
+    position_ids: torch.Tensor       # the same shape
+    attention_mask: torch.Tensor     # [B, 1, T, T] bool: True = may attend
+    positions: list[torch.Tensor]    # per depth (0 = the real block's trained window): its positions
+    start: int                       # the first trained position
+    length: int                      # L
 
     @property
-    def span(self) -> int:
-        return self.length - self.first
+    def depth(self) -> int:
+        return len(self.positions)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The attention mask as the model's kernels take a 4-D one: 0 = attend, finfo.min = blocked."""
@@ -90,64 +90,88 @@ class ParallelLayout:
         """Logits from the first trained position of the real block to the end (every mask block)."""
         return self.input_ids.shape[1] - self.start
 
+    def _trained_positions(self) -> list[torch.Tensor]:
+        return [p[p >= self.start] for p in self.positions]
+
     def student(self, logits: torch.Tensor) -> torch.Tensor:
-        """[B, depth * W, V] from the kept logits: the trained window W = L - start of the real
-        block, then of each mask block (block b's row p predicts token p + 1 from x_0 .. x_{p-b})."""
-        window = self.length - self.start
-        blocks = [logits[:, :window]]
-        for b in range(1, self.depth):
-            offset = window + (b - 1) * self.span + (self.start - self.first)
-            blocks.append(logits[:, offset:offset + window])
-        return torch.cat(blocks, dim=1)
+        """The kept logits' rows that carry a loss, depth after depth: the real block's window, then
+        each mask block's positions at or after `start` (depth b's row p predicts token p + 1 from
+        x_0 .. x_{p-b})."""
+        rows, offset = [], 0
+        for p in self.positions:
+            block = logits[:, offset:offset + len(p)]
+            rows.append(block[:, p >= self.start])
+            offset += len(p)
+        return torch.cat(rows, dim=1)
 
     def repeat(self, window: torch.Tensor) -> torch.Tensor:
-        """A per-position tensor of the trained window [B, W, ...] (the teacher, labels) for every block."""
-        return torch.cat([window] * self.depth, dim=1)
+        """A per-position tensor of the trained window [B, W, ...] (the teacher, labels), gathered
+        for every row of `student`."""
+        return torch.cat([window[:, p - self.start] for p in self._trained_positions()], dim=1)
 
     def trained(self, loss_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """[B, depth * W]: which rows of `student` carry a loss: block b's row p when position p is
-        trained (`loss_mask`) and x_{p-b}, the last real token it drafts from, is a real token."""
-        window = loss_mask[:, self.start:]
-        rows = [window]
-        for b in range(1, self.depth):
-            behind = torch.zeros_like(window)
-            p = torch.arange(self.start, self.length, device=window.device)
+        """Which rows of `student` carry a loss: depth b's row p when position p is trained
+        (`loss_mask`) and x_{p-b}, the last real token it drafts from, is a real token."""
+        rows = []
+        for b, p in enumerate(self._trained_positions()):
+            behind = torch.zeros(loss_mask.shape[0], len(p), dtype=torch.bool, device=loss_mask.device)
             ok = p - b >= 0
             behind[:, ok] = real[:, (p - b)[ok]].bool()
-            rows.append(window & behind)
+            rows.append(loss_mask[:, p] & behind)
         return torch.cat(rows, dim=1)
 
 
+def mask_positions(first: int, length: int, depth: int, keep: float = 1.0, keep_min: float = 0.2,
+                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Each mask block's positions, depth 1 .. K-1. Depth 1 covers `first` .. L-1; depth b only
+    positions whose chain predecessor (depth b-1, position p-1) is there, so every mask sees its
+    whole chain. With `keep` < 1, PARD's conditional drop: depth b keeps a random
+    max(keep^b, keep_min) of the span among those, so deep masks cost a fraction of a forward."""
+    span = length - first
+    blocks, previous = [], None
+    for b in range(1, depth):
+        candidates = torch.arange(first, length) if previous is None else (previous + 1)[previous + 1 < length]
+        if keep < 1.0:
+            n = min(len(candidates), max(int(span * max(keep ** b, keep_min)), 1))
+            candidates = candidates[torch.randperm(len(candidates), generator=generator)[:n]].sort().values
+        blocks.append(candidates)
+        previous = candidates
+    return blocks
+
+
 def parallel_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *,
-                    start: int, depth: int, mask_id: int) -> ParallelLayout:
-    """The `ParallelLayout` of a right-padded (or prompt-aligned) batch whose loss begins at `start`."""
+                    start: int, depth: int, mask_id: int, keep: float = 1.0, keep_min: float = 0.2,
+                    generator: torch.Generator | None = None) -> ParallelLayout:
+    """The `ParallelLayout` of a right-padded (or prompt-aligned) batch whose loss begins at `start`
+    (`keep`, `keep_min`, `generator`: `mask_positions`' conditional drop)."""
     if depth < 2:
         raise ValueError(f"a parallel layout needs depth >= 2 (K drafts per forward), got {depth}")
     B, L = input_ids.shape
     device = input_ids.device
     first = max(start - (depth - 1), 0)
-    span = L - first
-    T = L + (depth - 1) * span
-    ids = torch.cat([input_ids, input_ids.new_full((B, (depth - 1) * span), mask_id)], dim=1)
-    positions = torch.cat([position_ids] + [position_ids[:, first:]] * (depth - 1), dim=1)
+    blocks = [p.to(device) for p in mask_positions(first, L, depth, keep, keep_min, generator)]
+    T = L + sum(len(p) for p in blocks)
+    ids = torch.cat([input_ids, input_ids.new_full((B, T - L), mask_id)], dim=1)
+    positions = torch.cat([position_ids] + [position_ids[:, p] for p in blocks], dim=1)
 
     real = attention_mask.bool()
     allowed = torch.zeros(B, T, T, dtype=torch.bool, device=device)
     allowed[:, :L, :L] = torch.ones(L, L, dtype=torch.bool, device=device).tril() & real[:, None, :]
-    p = torch.arange(first, L, device=device)                       # positions a mask block covers
+    row_of = torch.full((depth, L), -1, dtype=torch.long, device=device)  # the row of (depth, position)
+    offset = L
+    for b, p in enumerate(blocks, start=1):
+        row_of[b, p] = offset + torch.arange(len(p), device=device)
+        offset += len(p)
     col_of_real = torch.arange(L, device=device)
-    for b in range(1, depth):
-        rows = L + (b - 1) * span + (p - first)                       # block b's row of position p
-        sees_real = (col_of_real[None, :] <= (p - b)[:, None])        # x_0 .. x_{p-b}
-        allowed[:, rows[:, None], col_of_real[None, :]] = sees_real & real[:, None, :]
-        for b2 in range(1, b + 1):                                    # its chain: block b2 at p - b + b2
-            q = p - b + b2
-            ok = q >= first
-            cols = L + (b2 - 1) * span + (q[ok] - first)
-            allowed[:, rows[ok], cols] = True
+    for b, p in enumerate(blocks, start=1):
+        rows = row_of[b, p]
+        allowed[:, rows[:, None], col_of_real[None, :]] = (col_of_real[None, :] <= (p - b)[:, None]) & real[:, None, :]
+        for b2 in range(1, b + 1):                          # its chain: depth b2 at p - b + b2 (there by construction)
+            allowed[:, rows, row_of[b2, p - b + b2]] = True
     idx = torch.arange(T, device=device)
     allowed[:, idx, idx] = True  # every row sees itself (padding rows too: never an empty softmax)
-    return ParallelLayout(ids, positions, allowed[:, None], depth, start, first, L)
+    window = torch.arange(start, L, device=device)
+    return ParallelLayout(ids, positions, allowed[:, None], [window, *blocks], start, L)
 
 
-__all__ = ["ParallelLayout", "mark_parallel", "mask_token_id", "parallel_info", "parallel_layout"]
+__all__ = ["ParallelLayout", "mark_parallel", "mask_positions", "mask_token_id", "parallel_info", "parallel_layout"]

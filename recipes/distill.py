@@ -72,6 +72,10 @@ class DraftConfig:
         0, doc="0: a sequential draft (K drafts, K forwards). K >= 2: a parallel draft (PARD): trained to propose K "
                "tokens from ONE forward over the sequence and K-1 mask tokens (drafttrain.parallel); the export's "
                "config.json names the mask as pard_token. Decode it with K <= this.", at_least=0)
+    parallel_keep: float = setting(
+        0.7, doc="Parallel drafts: PARD's conditional drop. Depth b's masks keep a random max(keep^b, 0.2) of the "
+                 "trained positions (each with its whole chain), so deep masks cost a fraction of a forward; 1 keeps "
+                 "all.", above=0, at_most=1)
     mask_token: int | str = setting(
         "auto", doc="Parallel drafts: the mask token, an id or a token the training text never contains; auto: the "
                     "tokenizer's last added token that is not a special token (SmolLM2: <empty_output>).")
@@ -247,8 +251,10 @@ class DistillRecipe(Recipe):
         teacher, labels and loss mask repeated to match: depth b's row p learns the target's
         distribution at p from x_0 .. x_{p-b} and b masks."""
         depth = self.config.draft.parallel_tokens
+        generator = torch.Generator().manual_seed(self.config.train.seed * 1_000_003 + batch["batch_index"])
         layout = parallel_layout(batch["input_ids"], batch["attention_mask"], batch["position_ids"], start=start,
-                                 depth=depth, mask_id=self.draft.config.pard_token)
+                                 depth=depth, mask_id=self.draft.config.pard_token,
+                                 keep=self.config.draft.parallel_keep, generator=generator)
         dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
         logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids,
                        attention_mask=layout.additive_mask(dtype), logits_to_keep=layout.logits_to_keep).logits

@@ -7,7 +7,9 @@
 # Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).
 # LOSSES="forward_kl tvd" distils one draft per loss and compares them all; HEADS=1 also trains
 # Medusa heads (recipes/configs/smollm2_heads_demo.yaml) and EAGLE3=1 an EAGLE-3 draft
-# (recipes/configs/smollm2_eagle3_demo.yaml), each added to the comparison (times: README).
+# (recipes/configs/smollm2_eagle3_demo.yaml), each added to the comparison (times: README);
+# PARALLEL=1 also distils a parallel draft (PARD: K=4 drafts from one forward) on the same cached
+# answers, as draft.parallel_tokens=4 of the same config (PARALLEL_STEPS optimizer steps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(bash scripts/setup_env.sh | tail -1)
@@ -22,6 +24,8 @@ LOSSES=${LOSSES:-forward_kl}
 THREADS=${THREADS:-$(nproc)}
 HEADS=${HEADS:-0}
 EAGLE3=${EAGLE3:-0}
+PARALLEL=${PARALLEL:-0}
+PARALLEL_STEPS=${PARALLEL_STEPS:-300}
 TREE_NODES=${TREE_NODES:-64}  # EAGLE-3's dynamic tree in the comparison: as many nodes as the heads' calibrated tree
 mkdir -p "$OUT"
 
@@ -38,6 +42,13 @@ for loss in $LOSSES; do
     output_dir="$OUT/distill-$loss" loss.kind="$loss"
   drafters+=(--drafter "distilled-$loss=draft:$OUT/distill-$loss/final")
 done
+if [ "$PARALLEL" = 1 ]; then
+  accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
+    recipes/distill.py \
+    --config recipes/configs/smollm2_distill_demo.yaml target="$TARGET" \
+    output_dir="$OUT/parallel" draft.parallel_tokens=4 train.max_steps="$PARALLEL_STEPS"
+  drafters+=(--drafter "parallel=draft:$OUT/parallel/final")
+fi
 if [ "$HEADS" = 1 ]; then
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
     recipes/train_heads.py \

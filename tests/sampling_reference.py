@@ -7,6 +7,8 @@ from scipy.stats import chisquare
 
 from drafttrain.decoding.verify import probabilities
 
+V = 6  # the sampling tests' vocabulary: small enough to enumerate every two-token continuation
+
 
 def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
     """Chi-square goodness of fit; cells with small expectation are pooled into one."""

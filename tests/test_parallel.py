@@ -23,44 +23,48 @@ def plain_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([tokens])).logits[0, -1]
 
 
-@pytest.mark.parametrize("depth", [2, 4])
-def test_every_row_sees_exactly_what_decoding_sees(depth):
+@pytest.mark.parametrize("depth, keep", [(2, 1.0), (4, 1.0), (4, 0.6)])
+def test_every_row_sees_exactly_what_decoding_sees(depth, keep):
+    """keep < 1: PARD's conditional drop, whose deeper blocks hold a random subset of positions."""
     model = tiny_lm(seed=1)
     batch = batch_of([([5, 6, 7, 8, 10, 11], [12, 13, 14, 15, 16]), ([20, 21], [22, 23, 24, 25, 26, 27, 28])])
     start = int(batch["loss_mask"].int().argmax(dim=1).min())
     layout = parallel_layout(batch["input_ids"], batch["attention_mask"], batch["position_ids"], start=start,
-                             depth=depth, mask_id=MASK)
+                             depth=depth, mask_id=MASK, keep=keep, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids,
                        attention_mask=layout.additive_mask(torch.float64), logits_to_keep=layout.logits_to_keep).logits
     student = layout.student(logits)
     trained = layout.trained(batch["loss_mask"], batch["attention_mask"])
-    window = layout.length - start
+    rows = [(b, int(p)) for b, ps in enumerate(layout.positions) for p in ps if p >= start]
+    assert student.shape[1] == trained.shape[1] == len(rows)
     checked = 0
     for row in range(2):
         real = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
         pad = int((batch["attention_mask"][row] == 0).int().argmin())  # left padding before the prompt
-        for b in range(depth):
-            for w in range(window):
-                p = start + w
-                if not trained[row, b * window + w]:
-                    continue
-                last = p - b - pad  # the last real token's index in the unpadded sequence
-                expected = plain_logits(model, real[:last + 1] + [MASK] * b)
-                torch.testing.assert_close(student[row, b * window + w], expected, rtol=1e-9, atol=1e-9)
-                checked += 1
-    # every trained position at every depth whose last real token exists was checked
-    assert checked == int(trained.sum()) and checked > depth * 5
+        for i, (b, p) in enumerate(rows):
+            if not trained[row, i]:
+                continue
+            last = p - b - pad  # the last real token's index in the unpadded sequence
+            expected = plain_logits(model, real[:last + 1] + [MASK] * b)
+            torch.testing.assert_close(student[row, i], expected, rtol=1e-9, atol=1e-9)
+            checked += 1
+    assert checked == int(trained.sum()) and checked > depth * 3
+    if keep < 1:  # the deeper blocks are thinner, and each kept mask's chain predecessor is kept
+        sizes = [len(p) for p in layout.positions[1:]]
+        assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
+        for shallow, deep in zip(layout.positions[1:], layout.positions[2:]):
+            assert set((deep - 1).tolist()) <= set(shallow.tolist())
 
 
 def test_rows_without_a_real_token_behind_them_carry_no_loss():
     batch = batch_of([([5], [12, 13, 14])])
     layout = parallel_layout(batch["input_ids"], batch["attention_mask"], batch["position_ids"], start=0,
                              depth=3, mask_id=MASK)
-    trained = layout.trained(batch["loss_mask"], batch["attention_mask"]).view(3, -1)
-    # position 0 predicts token 1 from x_0; depth b needs x_{-b}: none for p < b
-    assert trained[0].tolist()[:3] == [True, True, True]
-    assert trained[1].tolist()[:3] == [False, True, True] and trained[2].tolist()[:3] == [False, False, True]
+    trained = layout.trained(batch["loss_mask"], batch["attention_mask"])[0].tolist()
+    rows = [(b, int(p)) for b, ps in enumerate(layout.positions) for p in ps]
+    # position p at depth b drafts from x_{p-b}: none for p < b
+    assert {row: t for row, t in zip(rows, trained) if row[1] <= 2} == {(b, p): p >= b for b, p in rows if p <= 2}
 
 
 def test_mask_token_choice_and_config():

@@ -34,6 +34,7 @@ class Proposer:
 
     name = "none"
     hidden_layers: tuple[int, ...] = ()
+    forwards = 0  # the drafter's model forwards so far (SPEC §7 draft_forwards); none for lookups
 
     def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         pass
@@ -84,6 +85,9 @@ class ChainDecoder(Decoder):
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(getattr(self.proposer, "hidden_layers", ()))
+
+    def drafter_forwards(self) -> int:
+        return self.proposer.forwards
 
     def warmup(self) -> float:
         seconds = super().warmup()

@@ -20,6 +20,7 @@ from .drafters.eagle3 import eagle3_decoder
 from .drafters.medusa import medusa_decoder
 from .drafters.ngram import NgramProposer
 from .drafters.oracle import OracleProposer
+from .drafters.parallel_lm import ParallelDraftProposer
 from .engines import CachedLM, as_cached_lm
 from .loop import Decoder
 
@@ -44,7 +45,8 @@ class DecodeSettings:
 
 @dataclass
 class Drafter:
-    """A loaded drafter: its kind (a key of `DRAFTERS`), its model (a draft LM or its cached LM,
+    """A loaded drafter: its kind (a key of `DRAFTERS`), its model (a draft LM, sequential or
+    parallel with `info["pard_token"]`, or its cached LM,
     Medusa heads, an EAGLE-3 draft or its cached draft, an oracle's references; None for n-gram
     and plain decoding) and what its export recorded (`info`: e.g. the heads' calibrated tree)."""
 
@@ -102,6 +104,13 @@ def _draft_lm(target, drafter, s):
     return _chain(target, DraftModelProposer(drafter.model, vocab, s.temperature, s.top_p, s.generator), s)
 
 
+def _parallel_draft(target, drafter, s):
+    vocab = output_vocab_size(target.model)
+    proposer = ParallelDraftProposer(drafter.model, vocab, drafter.info["pard_token"], s.temperature, s.top_p,
+                                     s.generator, parallel_tokens=drafter.info.get("parallel_tokens"))
+    return _chain(target, proposer, s)
+
+
 def _ngram(target, drafter, s):
     return _chain(target, NgramProposer(target.device, max_ngram=s.ngram_max), s)
 
@@ -129,6 +138,7 @@ def _eagle3(target, drafter, s):
 DRAFTERS: dict[str, Callable[[CachedLM, Drafter, DecodeSettings], Decoder]] = {
     "none": _plain,
     "draft": _draft_lm,
+    "parallel_draft": _parallel_draft,
     "ngram": _ngram,
     "oracle": _oracle,
     "medusa": _medusa,

@@ -35,6 +35,7 @@ class Generation:
     # Greedy decoders asked to record them: the target's top-1 minus top-2 logit behind each
     # emitted token, which tells a near-tie (numerics may flip it) from a real disagreement.
     margins: list[float] | None = None
+    draft_forwards: int = 0  # the drafter's model forwards (a parallel draft or heads: one per step)
 
 
 @dataclass
@@ -118,8 +119,13 @@ class Decoder:
         """One verification step emitting at most `budget` tokens; sets `self.pending`."""
         raise NotImplementedError
 
+    def drafter_forwards(self) -> int:
+        """The drafter's model forwards so far (0 for lookups and plain decoding)."""
+        return 0
+
     def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
         out = Generation(margins=[] if self.record_margins else None)
+        forwards = self.drafter_forwards()
         start = time.perf_counter()
         self.target.reset()
         prompt_t = device_tensor(list(prompt), self.device)
@@ -146,6 +152,7 @@ class Decoder:
             self.sequence.extend(emitted)
             if emitted[-1] in self.eos:
                 break
+        out.draft_forwards = self.drafter_forwards() - forwards
         return out
 
 

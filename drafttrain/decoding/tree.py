@@ -29,6 +29,7 @@ class TreeDrafter:
     max_depth: int
     max_nodes: int
     paths: list | None = None
+    forwards = 0  # the drafter's model forwards so far (SPEC §7 draft_forwards)
 
     def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         """A new sequence; `hidden`: the target's hidden states of prompt[:-1] (None if empty)."""
@@ -65,6 +66,9 @@ class TreeDecoder(Decoder):
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(self.drafter.hidden_layers)
+
+    def drafter_forwards(self) -> int:
+        return self.drafter.forwards
 
     @property
     def tree(self):

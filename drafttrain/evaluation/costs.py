@@ -28,18 +28,24 @@ def timed_generate(decoder, prompt: list[int], max_new: int) -> tuple[Generation
 
 def single_token_seconds(lm: CachedLM, prompt: list[int], repeats: int = 10) -> float:
     """Median time of one cached single-token forward at this prompt's length, on the run's engine."""
-    lm.warmup([1])
+    return forward_seconds(lm, prompt, prompt[-1:], repeats)
+
+
+def forward_seconds(lm: CachedLM, prompt: list[int], tokens: list[int], repeats: int = 10) -> float:
+    """Median time of one cached forward of `tokens` after prompt[:-1], on the run's engine (a
+    parallel draft's step: the last real token and its masks)."""
+    lm.warmup([len(tokens)])
     lm.reset()
     lm.forward(device_tensor(prompt[:-1], lm.device))
-    one = device_tensor(prompt[-1:], lm.device)
+    step = device_tensor(tokens, lm.device)
     times = []
     for _ in range(repeats + 2):
         synchronize(lm.device)
         start = time.perf_counter()
-        lm.forward(one)
+        lm.forward(step)
         synchronize(lm.device)
         times.append(time.perf_counter() - start)
-        lm.rollback(lm.length - 1)
+        lm.rollback(lm.length - len(tokens))
     return median(times[2:])
 
 

@@ -21,6 +21,7 @@ from ..eagle3.model import Eagle3Draft
 from ..errors import UserError
 from ..medusa.export import load_medusa, read_heads_info
 from ..models import first_line, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from ..parallel import parallel_info
 from ..preflight import compatibility_checks, require_compatible
 from ..prompts import EncodedPrompt
 from ..tokens import eos_token_ids
@@ -52,6 +53,9 @@ class LoadedModels:
     def drafter(self, kind: str) -> Drafter:
         """The factory's view of the drafter of this `kind` (bound to its engine where it has one)."""
         if kind == "draft":
+            parallel = parallel_info(self.draft.config)  # SPEC §7: a parallel draft names its pard_token
+            if parallel:
+                return Drafter("parallel_draft", self.draft_lm or self.draft, parallel)
             return Drafter("draft", self.draft_lm or self.draft)
         if kind == "medusa":
             return Drafter("medusa", self.heads, self.heads_info)

@@ -202,6 +202,7 @@ def compute_metrics(results: list[PromptResult], k: int, greedy: bool, *, cost_r
         "prompts": len(results),
         "new_tokens": new_tokens,
         "target_forwards": forwards,
+        "draft_forwards": sum(g.draft_forwards for g in gens),  # SPEC §7: the drafter's model forwards
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,

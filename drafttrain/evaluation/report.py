@@ -86,7 +86,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def metrics_table(rows: dict[str, dict]) -> str:
     cols = [("prompts", "prompts"), ("new tokens", "new_tokens"), ("tau", "mean_accepted_length"),
-            ("acceptance", "acceptance_rate"), ("baseline tok/s", "baseline_tokens_per_s"),
+            ("acceptance", "acceptance_rate"), ("draft forwards", "draft_forwards"),
+            ("baseline tok/s", "baseline_tokens_per_s"),
             ("speculative tok/s", "speculative_tokens_per_s"), ("speedup", "speedup"),
             ("match baseline", "outputs_match_baseline")]
     lines = ["| | " + " | ".join(c for c, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]

@@ -11,9 +11,10 @@ import torch
 
 from .. import __version__
 from ..decoding import as_cached_lm
+from ..parallel import parallel_info
 from ..prompts import EncodedPrompt
 from .config import EvalConfig
-from .costs import eagle3_step_seconds, single_token_seconds
+from .costs import eagle3_step_seconds, forward_seconds, single_token_seconds
 from .loading import LoadedModels
 from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, metrics_by_category
 from .report import report_inputs
@@ -50,7 +51,12 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
     if k:
         cost = 0.0  # n-gram lookup and heads cost next to nothing beside a target forward
         target_lm = models.target_lm or as_cached_lm(models.target)
-        if models.draft is not None:
+        parallel = parallel_info(models.draft.config) if models.draft is not None else None
+        if parallel:  # one forward of the last token and K-1 masks per step, spread over its K drafts
+            step = probe.ids[-1:] + [parallel["pard_token"]] * (k - 1)
+            cost = (forward_seconds(models.draft_lm or as_cached_lm(models.draft), probe.ids, step)
+                    / k / single_token_seconds(target_lm, probe.ids))
+        elif models.draft is not None:
             cost = (single_token_seconds(models.draft_lm or as_cached_lm(models.draft), probe.ids)
                     / single_token_seconds(target_lm, probe.ids))
         elif models.eagle3 is not None:
@@ -79,6 +85,8 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
         "engine": dict(engine),
         **({"heads": models.heads_info} if models.heads_info else {}),
         **({"eagle3": models.eagle3_info} if models.eagle3_info else {}),
+        **({"parallel_draft": parallel_info(models.draft.config)}
+           if models.draft is not None and parallel_info(models.draft.config) else {}),
         "overall": overall,
         "by_category": metrics_by_category(results, k, cfg.greedy, **kwargs),
     }

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sampling_reference import chi2_pvalue, exact_two_token_distribution
-from test_sampling import V
+from sampling_reference import V, chi2_pvalue, exact_two_token_distribution
 from tiny import tiny_lm, tiny_tokenizer
 
 from drafttrain.data.generation import cache_key, cut_at_eos, generate_responses, left_pad

@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 import torch
 from engines import on_engine
-from sampling_reference import chi2_pvalue, exact_two_token_distribution
+from sampling_reference import V, chi2_pvalue, exact_two_token_distribution
 from tiny import tiny_lm
 
 from drafttrain.decoding import DraftModelProposer, NgramProposer, ChainDecoder
 from drafttrain.decoding.verify import probabilities, verify_greedy, verify_sampled
 
-V = 6
 
 
 def exact_verify_distribution(p, q):

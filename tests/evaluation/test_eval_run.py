@@ -536,3 +536,29 @@ def test_sampling_is_reproducible_by_seed(models, tmp_path):
     assert report["overall"]["outputs_match_baseline"] is None
     assert report["overall"]["speedup"] is not None
     assert all(0 <= t < 64 for f in first for t in f[0] + f[1])
+
+
+def test_a_parallel_draft_is_detected_and_drafts_with_one_forward_per_step(models, prompt_files, references,
+                                                                           tmp_path):
+    """SPEC §7: a draft whose config names pard_token is a parallel draft; every report counts
+    draft_forwards (a sequential draft: one per draft token, n-gram: none)."""
+    from drafttrain.parallel import mark_parallel
+
+    draft = AutoModelForCausalLM.from_pretrained(models["draft"], dtype=torch.float32)
+    mark_parallel(draft, 9, K)
+    parallel_dir = save_pair(tmp_path / "parallel", draft, tiny_tokenizer())
+    _, report, rows = run_ok(["eval", "--target", models["target"], "--draft", str(parallel_dir),
+                              *prompts_argv(prompt_files), "--num-draft-tokens", str(K), "--max-new-tokens",
+                              str(MAX_NEW), "--dtype", "float64", "--out", str(tmp_path / "out"), "--quiet"])
+    assert [r["speculative_token_ids"] for r in rows] == references
+    assert report["parallel_draft"] == {"pard_token": 9, "parallel_tokens": K}
+    drafting_steps = sum(p > 0 for r in rows for p in r["proposed_lengths"])
+    assert report["overall"]["draft_forwards"] == drafting_steps > 0
+    _, sequential, _ = run_ok(["eval", "--target", models["target"], "--draft", models["draft"],
+                               *prompts_argv(prompt_files), "--num-draft-tokens", str(K), "--max-new-tokens",
+                               str(MAX_NEW), "--dtype", "float64", "--out", str(tmp_path / "seq"), "--quiet"])
+    assert "parallel_draft" not in sequential
+    assert sequential["overall"]["draft_forwards"] >= sequential["overall"]["draft_tokens"] > drafting_steps
+    _, ngram, _ = run_ok(["eval", "--target", models["target"], "--method", "ngram", *prompts_argv(prompt_files),
+                          "--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path / "ngram"), "--quiet"])
+    assert ngram["overall"]["draft_forwards"] == 0

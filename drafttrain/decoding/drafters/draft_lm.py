@@ -9,6 +9,17 @@ from ..engines import as_cached_lm, device_tensor
 from ..verify import probabilities, sample
 
 
+def target_vocab_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A draft's logits over the target's `vocab` tokens (a padded embedding matrix is fine)."""
+    v = logits.shape[-1]
+    if v > vocab:
+        return logits[..., :vocab]
+    if v < vocab:
+        pad = logits.new_full((*logits.shape[:-1], vocab - v), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+    return logits
+
+
 class DraftModelProposer(Proposer):
     """A small LM drafting autoregressively on its own KV cache.
 
@@ -38,22 +49,13 @@ class DraftModelProposer(Proposer):
         # Pending is one token (the bonus) or two (the last draft + the bonus); drafts go one by one.
         return self.lm.warmup([1, 2])
 
-    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Align the draft's vocabulary with the target's (a padded embedding matrix is fine)."""
-        v = logits.shape[-1]
-        if v > self.vocab:
-            return logits[..., : self.vocab]
-        if v < self.vocab:
-            pad = logits.new_full((*logits.shape[:-1], self.vocab - v), float("-inf"))
-            return torch.cat([logits, pad], dim=-1)
-        return logits
-
     def propose(self, k, sequence):
         tokens, dists = [], []
         step_input = device_tensor(self.pending, self.device)
         self.fed = 0
         for i in range(k):
-            logits = self._logits(self.lm.forward(step_input)[0][-1])
+            logits = target_vocab_logits(self.lm.forward(step_input)[0][-1], self.vocab)
+            self.forwards += 1
             if self.temperature == 0:
                 token = logits.argmax(dim=-1, keepdim=True)
             else:

@@ -43,6 +43,7 @@ class Eagle3DraftCache:
         self.device = torch.device(device)
         self.cache = self.engine.cache
         self.last: DraftStep | None = None  # output at the last cached position: predicts the token after pending
+        self.forwards = 0  # draft-layer forwards: feeds of the target's features and drafting steps
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -66,6 +67,7 @@ class Eagle3DraftCache:
         tokens = device_tensor(next_tokens, self.device).view(1, n)
         positions = torch.arange(start, start + n, device=self.device).view(1, n)
         self.last = self.engine.prefill(hidden.view(1, n, -1), tokens, positions)
+        self.forwards += 1
 
     def commit(self, committed: int, hidden: torch.Tensor, next_tokens: list[int]) -> None:
         """After a verification: forget the drafted entries, feed the kept positions' features."""
@@ -74,6 +76,7 @@ class Eagle3DraftCache:
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              tree_mask: torch.Tensor | None = None) -> DraftStep:
+        self.forwards += 1
         with torch.inference_mode():
             return self.engine.step(hidden, tokens, positions, tree_mask=tree_mask)
 
@@ -91,6 +94,10 @@ class Eagle3Proposer(Proposer):
         self.device = torch.device(device)
         self.empty = torch.empty(0, dtype=torch.long, device=self.device)
         self.committed = 0
+
+    @property
+    def forwards(self) -> int:
+        return self.state.forwards
 
     def reset(self, prompt, hidden=None):
         self.state.reset(prompt, hidden)
@@ -154,6 +161,10 @@ class Eagle3TreeDrafter(TreeDrafter):
     @property
     def kind(self) -> str:
         return "static" if self.buffers is not None else f"dynamic ({self.max_nodes} nodes, top-{self.topk})"
+
+    @property
+    def forwards(self) -> int:
+        return self.state.forwards
 
     def reset(self, prompt, hidden=None):
         self.state.reset(prompt, hidden)

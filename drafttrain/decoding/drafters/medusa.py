@@ -87,6 +87,7 @@ class MedusaDrafter(TreeDrafter):
         if tree.max_depth == 0:
             return root.reshape(1), tree
         topk = head_logits(self.heads, self.hidden, tree.max_depth, self.device).topk(tree.topk, dim=-1).indices
+        self.forwards += 1
         return tree_candidates(root, topk, tree), tree
 
     def commit(self, nodes, accepted, bonus, hidden=None):
@@ -114,6 +115,7 @@ class MedusaProposer(Proposer):
         if self.hidden is None or k == 0:
             return self.empty, None
         q = probabilities(head_logits(self.heads, self.hidden, k, self.device), self.temperature, self.top_p)
+        self.forwards += 1
         return sample(q, self.generator), q
 
     def commit(self, n_accepted, emitted, hidden=None):

@@ -9,8 +9,7 @@ import random
 import pytest
 import torch
 from engines import ENGINES, on_engine, ready
-from sampling_reference import chi2_pvalue, exact_two_token_distribution
-from test_sampling import V
+from sampling_reference import V, chi2_pvalue, exact_two_token_distribution
 from tiny import greedy_reference, tiny_lm
 
 from drafttrain.decoding.drafters.medusa import medusa_decoder
