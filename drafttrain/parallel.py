@@ -93,6 +93,10 @@ class ParallelLayout:
     def _trained_positions(self) -> list[torch.Tensor]:
         return [p[p >= self.start] for p in self.positions]
 
+    def rows(self) -> list[tuple[int, int]]:
+        """(depth, position) of each row of `student`."""
+        return [(b, int(p)) for b, ps in enumerate(self._trained_positions()) for p in ps]
+
     def student(self, logits: torch.Tensor) -> torch.Tensor:
         """The kept logits' rows that carry a loss, depth after depth: the real block's window, then
         each mask block's positions at or after `start` (depth b's row p predicts token p + 1 from

@@ -36,7 +36,7 @@ def test_every_row_sees_exactly_what_decoding_sees(depth, keep):
                        attention_mask=layout.additive_mask(torch.float64), logits_to_keep=layout.logits_to_keep).logits
     student = layout.student(logits)
     trained = layout.trained(batch["loss_mask"], batch["attention_mask"])
-    rows = [(b, int(p)) for b, ps in enumerate(layout.positions) for p in ps if p >= start]
+    rows = layout.rows()
     assert student.shape[1] == trained.shape[1] == len(rows)
     checked = 0
     for row in range(2):

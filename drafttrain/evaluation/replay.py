@@ -120,12 +120,11 @@ def parallel_matches(draft, prompt: list[int], target_tokens: list[int], num_dra
     dtype = next(draft.parameters()).dtype
     logits = draft(input_ids=layout.input_ids, position_ids=layout.position_ids,
                    attention_mask=layout.additive_mask(dtype), logits_to_keep=layout.logits_to_keep).logits
-    window = len(sequence) - start
-    guesses = layout.student(logits)[0].argmax(-1).view(k, window).tolist()  # [depth][position - start]
+    guess = dict(zip(layout.rows(), layout.student(logits)[0].argmax(-1).tolist()))  # (depth, position) -> token
     rows = []
     for t in range(len(target_tokens)):
         c = len(prompt) + t
-        rows.append([c + j < len(sequence) and guesses[j][c - 1 + j - start] == sequence[c + j]
+        rows.append([c + j < len(sequence) and guess.get((j, c - 1 + j)) == sequence[c + j]
                      for j in range(num_draft_tokens)])
     return rows
 

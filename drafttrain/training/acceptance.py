@@ -26,8 +26,9 @@ def eval_prompts(records, tokenizer, target, *, num_prompts: int, max_new_tokens
     return out
 
 
-ACCEPTANCE_KEYS = ("prompts", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
-                   "mean_accepted_length", "per_position_acceptance", "per_position_acceptance_when_proposed")
+ACCEPTANCE_KEYS = ("prompts", "new_tokens", "target_forwards", "draft_forwards", "draft_tokens", "accepted_tokens",
+                   "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+                   "per_position_acceptance_when_proposed")
 
 
 def held_out_acceptance(target, drafter: Drafter, prompts: list[EncodedPrompt], settings: DecodeSettings,

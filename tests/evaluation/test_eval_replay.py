@@ -62,6 +62,27 @@ def test_equals_the_decoders_accepted_and_proposed_lengths(k, scale):
     assert steps > 0
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_parallel_draft_equals_the_decoders_lengths(k):
+    """A draft whose config names pard_token replays as a parallel draft: its step's draft j comes
+    from depth j of one laid-out forward, as the decoder's one forward over [sequence, masks]."""
+    from drafttrain.decoding.drafters.parallel_lm import ParallelDraftProposer
+    from drafttrain.parallel import mark_parallel
+
+    target = tiny_lm(0)
+    draft = noisy_copy(target, scale=0.05)
+    mark_parallel(draft, 9, k)
+    steps = 0
+    for prompt in PROMPTS:
+        output = greedy_reference(target, prompt, 25)
+        decoder = ChainDecoder(target, ParallelDraftProposer(draft, 64, 9, 0.0, 1.0, None), num_draft_tokens=k)
+        real = decoder.generate(prompt, 25)
+        accepted, proposed = teacher_forced_steps(draft, prompt, output, num_draft_tokens=k, max_new_tokens=25)
+        assert (accepted, proposed) == (real.accepted_lengths, real.proposed_lengths)
+        steps += len(accepted)
+    assert steps > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # The command, against a real greedy report.
 

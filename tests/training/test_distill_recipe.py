@@ -361,3 +361,28 @@ def test_prompt_positions_add_their_weighted_loss_with_either_teacher(assets, tm
         assert stored[key] == pytest.approx(live[key], rel=1e-5)
     assert "prompt_loss" not in response_only
     assert stored["loss"] == pytest.approx(response_only["loss"] + 0.5 * stored["prompt_loss"], rel=1e-5)
+
+
+def test_a_parallel_draft_trains_exports_its_mask_and_is_measured_with_one_forward_per_step(assets, tmp_path):
+    """draft.parallel_tokens=K (SPEC §7): every depth trains in one forward, the held-out tau that
+    picks the weights comes from the parallel proposer, and config.json names the mask for vLLM."""
+    out = tmp_path / "parallel"
+    args = recipe_args(assets, out, "train.max_steps=40", "train.eval_every=20", "data.store_topk=8",
+                       "draft.parallel_tokens=3", "draft.mask_token=1", "eval.num_draft_tokens=3")
+    assert load_recipe().main(args) == 0
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["pard_token"] == 1 and config["spd_type"] == "pard"
+    assert config["drafttrain"]["parallel_tokens"] == 3
+    assert "n_predict" not in config and "mask_token_id" not in config  # vLLM would read those first
+    initial = json.loads((out / "eval" / "initial.json").read_text())
+    final = json.loads((out / "eval" / "final.json").read_text())
+    for metrics in (initial, final):  # one draft forward per drafting step, not one per draft token
+        assert metrics["draft_forwards"] <= metrics["target_forwards"] < metrics["draft_tokens"]
+    assert final["tau"] > initial["tau"], (initial["tau"], final["tau"])
+
+
+def test_a_parallel_draft_with_another_recipe_setting_it_cannot_train_is_refused(assets, tmp_path, capfd):
+    args = recipe_args(assets, tmp_path / "x", "draft.parallel_tokens=3", "onpolicy.fraction=0.5")
+    assert load_recipe().main(args) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel" in err[0] and not (tmp_path / "x").exists()
