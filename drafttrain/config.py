@@ -125,7 +125,10 @@ def load_config(cls: type[T], yaml_path: str | Path | None, overrides: list[str]
         if not path.is_file():
             raise UserError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise UserError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); save it as "
+                            "UTF-8") from e
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             line = f" line {where.line + 1}" if where is not None else ""

@@ -9,7 +9,8 @@ from dataclasses import asdict
 from ..decoding import StaticLM, cached_lm, resolve_engine, static_support
 from ..errors import UserError
 from ..evaluation.summary import environment
-from ..fileio import atomic_dir, atomic_write_json, atomic_write_text, check_output_dir
+from ..evaluation.outputs import staged_output
+from ..fileio import atomic_write_json, atomic_write_text, check_output_dir
 from ..trees import DEFAULT_TREE
 from . import measure, target
 from .config import BenchConfig
@@ -120,7 +121,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         "compile_seconds": {eng: lm_.compile_seconds for eng, lm_ in lms.items()},
         "notes": notes,
     }
-    with atomic_dir(out, overwrite=True) as tmp:
+    with staged_output(out, cfg.overwrite) as tmp:  # a report another run wrote meanwhile is kept
         atomic_write_json(tmp / "bench.json", bench)
         atomic_write_text(tmp / "bench.md", render_markdown(bench))
         plot(bench, tmp / "bench.png")

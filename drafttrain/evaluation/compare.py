@@ -144,7 +144,7 @@ def run_compare(base: EvalConfig, drafters: list[str], progress: bool = True,
     rows = comparison_rows(evaluations)
     first = evaluations[0].report
     figures = comparison_figures(rows, subtitle(first))
-    with staged_output(base.out) as stage:
+    with staged_output(base.out, base.overwrite) as stage:
         for e in evaluations:
             write_report(stage / e.report["drafter"], e.report, e.results)
         for name, fig in figures.items():

@@ -12,6 +12,7 @@ start (a swap cut short between its two renames is undone then).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ from ..errors import UserError
 from ..fileio import check_output_dir
 
 PARTIAL, REPLACED = "partial", "replaced"
-REPORT_MARKERS = ("report.json", "comparison.json")
+REPORT_MARKERS = ("report.json", "comparison.json", "bench.json")
 
 
 def _sibling(path: Path, kind: str, pid: int | None = None) -> Path:
@@ -75,9 +76,15 @@ def prepare_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
     return path
 
 
+class TakenMeanwhile(Exception):
+    """Another run wrote a report into `--out` while this one ran (and this one may not replace it)."""
+
+
 @contextlib.contextmanager
-def staged_output(out: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty staging directory; when the block succeeds, it replaces `out` whole."""
+def staged_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty staging directory; when the block succeeds, it replaces `out` whole. Without
+    `overwrite` it only takes `out`'s place if that is still absent or empty (`prepare_output_dir`
+    checked it at the start): a report another run put there meanwhile is kept, this one refused."""
     path = Path(out)
     stage = _sibling(path, PARTIAL)
     try:
@@ -85,13 +92,35 @@ def staged_output(out: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir()
         yield stage
-        _swap_in(stage, path)
+        if overwrite:
+            _swap_in(stage, path)
+        else:
+            _claim(stage, path)
+    except TakenMeanwhile:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise UserError(f"--out {str(path)!r} was filled by another run while this one ran; its report is kept and "
+                        "this one was not written: run again with another --out (or --overwrite to replace it)"
+                        ) from None
     except OSError as e:
         shutil.rmtree(stage, ignore_errors=True)
         raise UserError(f"cannot write the report to {str(path)!r} ({e.strerror or e}); free some space or fix the "
                         "permissions, then run again (an earlier report there is unchanged)") from e
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _claim(stage: Path, path: Path) -> None:
+    """Rename `stage` to `path` if `path` is absent or an empty directory, atomically: rename(2)
+    onto a non-empty directory fails, so two runs racing for one new `--out` cannot both win."""
+    if path.exists() and not path.is_dir():
+        raise TakenMeanwhile
+    try:
+        with _sigint_deferred():
+            os.replace(stage, path)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise TakenMeanwhile from None
         raise
 
 

@@ -159,6 +159,6 @@ def run_eval(cfg: EvalConfig, progress: bool = True, decoder_factory: DecoderFac
     check_inputs([cfg])
     prepare_output_dir(cfg.out, cfg.overwrite)
     evaluation = evaluate([cfg], progress=progress, decoder_factory=decoder_factory)[0]
-    with staged_output(cfg.out) as stage:
+    with staged_output(cfg.out, cfg.overwrite) as stage:
         write_report(stage, evaluation.report, evaluation.results)
     return evaluation

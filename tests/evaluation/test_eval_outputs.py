@@ -224,3 +224,39 @@ def test_sigint_to_a_real_process_mid_run(setup, tmp_path):
     last = [line for line in err.replace("\r", "\n").splitlines() if line.strip()][-1]
     assert last == INTERRUPTED_REPORT
     assert snapshot(tmp_path) == before  # the earlier report as it was, no staging folder left
+
+
+def test_a_report_written_into_a_new_out_during_the_run_is_kept(setup, tmp_path, capsys, monkeypatch):
+    """Another run filling --out while this one decodes: this one refuses, the other's report stays."""
+    out = tmp_path / "report"
+    real = run_module.make_decoder
+
+    def another_run_finishes_meanwhile(cfg, models, **kwargs):
+        if not out.exists():
+            out.mkdir()
+            (out / "report.json").write_text('{"other": true}')
+        return real(cfg, models, **kwargs)
+
+    monkeypatch.setattr(run_module, "make_decoder", another_run_finishes_meanwhile)
+    one_error_line(*cli(capsys, eval_argv(setup, out, drafter=["--method", "ngram"])), "filled by another run")
+    assert os.listdir(out) == ["report.json"] and json.loads((out / "report.json").read_text()) == {"other": True}
+    assert sorted(os.listdir(tmp_path)) == ["report"]  # no staging folder left behind
+
+
+def test_two_real_runs_into_one_new_out_leave_one_report_and_one_error(setup, tmp_path):
+    out = tmp_path / "report"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
+           + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "drafttrain.cli", *eval_argv(setup, out, drafter=["--method", "ngram"])]
+    runs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in runs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for code, err in results if code == 2).strip().splitlines()
+    # refused at the end (it lost the race), or at the start if the other was already done
+    assert len(loser) == 1 and loser[0].startswith("error:")
+    assert "filled by another run" in loser[0] or "exists and is not empty" in loser[0]
+    report = json.loads((out / "report.json").read_text())
+    assert report["overall"]["prompts"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["report"]
