@@ -8,6 +8,7 @@ draft is, how it was made and how much it speeds the target up.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -33,6 +34,54 @@ COLUMN_LABELS = {
 }
 
 
+@contextlib.contextmanager
+def writing(what: Path):
+    """A failed write of `what` (a full disk, a read-only file system) as one UserError line.
+    safetensors reports such failures as its own SafetensorError, not as an OSError: both land
+    here. Whatever was there before stays (the writers below replace directories atomically)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[0]
+        raise UserError(f"writing {what} failed ({reason}); free disk space (or fix the file system) and start the "
+                        "same command again: the run resumes from its newest checkpoint") from e
+
+
+def save_tensor_dir(out_dir: str | os.PathLike, tensors: dict, config: dict, card: str) -> Path:
+    """model.safetensors, config.json and README.md in `out_dir`, replacing it atomically: the
+    layout of the Medusa and EAGLE-3 exports (serving engines' own formats)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    with writing(out_dir), atomic_dir(out_dir, overwrite=True) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "README.md").write_text(card)
+    return out_dir
+
+
+def read_export_config(path: Path, what: str, written_by: str, expected: str, redo: str) -> dict:
+    """The config.json of an exported drafter directory, or one UserError line saying what is wrong
+    (`what`: "Medusa heads directory"; `written_by`: the recipe; `expected`: what the directory
+    holds; `redo`: how to fix a damaged file)."""
+    if not path.is_dir():
+        raise UserError(f"{what} {str(path)!r} does not exist; pass the directory written by {written_by} "
+                        "(it holds config.json and model.safetensors)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{path} has no config.json; pass {expected}")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{config_file} is not valid JSON ({e}); {redo}") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{config_file} must hold a JSON object; {redo}")
+    return cfg
+
+
 def export_draft(model, tokenizer, out_dir: str | os.PathLike, *, eos_token_id: int | list[int],
                  acceptance_table: list[dict] | None = None, base_info: dict | None = None) -> Path:
     """Write `model` + the *target's* `tokenizer` to `out_dir`, replacing it atomically."""
@@ -43,7 +92,7 @@ def export_draft(model, tokenizer, out_dir: str | os.PathLike, *, eos_token_id: 
                         "rows; export a draft built for this target's vocabulary")
 
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir, overwrite=True) as tmp:
+    with writing(out_dir), atomic_dir(out_dir, overwrite=True) as tmp:
         model.save_pretrained(tmp)
         _set_config_eos(tmp / "config.json", eos)
 

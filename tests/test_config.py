@@ -256,3 +256,10 @@ def test_flags_come_from_the_same_fields(capsys):
     assert from_args(Bounded, parser.parse_args([])).alphas == [0.5]  # the default, not a shared list
     with pytest.raises(UserError, match="unknown --mode 'c'"):  # a flag's choices: the config's own check
         check_settings(from_args(Bounded, parser.parse_args(["--mode", "c"])), label=lambda k: "--" + k)
+
+
+def test_a_config_that_is_not_utf8_is_one_error(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("run_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"is not UTF-8 text \(byte 13: invalid continuation byte\); save it as UTF-8"):
+        load_config(Recipe, path)

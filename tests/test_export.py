@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -105,3 +106,53 @@ def test_export_rejects_bad_inputs(tmp_path):
     with pytest.raises(UserError, match="96 tokens"):
         export_draft(small, tokenizer, tmp_path / "a", eos_token_id=EOS)
     assert not (tmp_path / "a").exists()
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def disk_full(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                          'left on device" })')
+
+
+@pytest.mark.parametrize("writer", ["medusa", "eagle3", "best"])
+def test_a_full_disk_while_exporting_is_one_error_and_the_earlier_directory_stays(writer, tmp_path, monkeypatch):
+    """safetensors reports a failed write as SafetensorError, not OSError: it must still be one line."""
+    import safetensors.torch
+
+    import drafttrain.training.checkpoints as checkpoints
+    from drafttrain.training.checkpoints import save_best
+
+    out = tmp_path / "final"
+    out.mkdir()
+    (out / "earlier.txt").write_text("kept")
+    if writer == "medusa":
+        from drafttrain.medusa import MedusaConfig, MedusaHeads, save_medusa
+
+        heads = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, num_layers=1))
+        write = lambda: save_medusa(heads, out)  # noqa: E731
+    elif writer == "eagle3":
+        from drafttrain.eagle3.export import save_eagle3
+        from drafttrain.eagle3.model import Eagle3Config, Eagle3Draft
+
+        draft = Eagle3Draft(Eagle3Config(hidden_size=8, intermediate_size=16, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-6, vocab_size=32,
+                                         draft_vocab_size=16, target_hidden_size=8, target_num_layers=4,
+                                         aux_layer_ids=(1, 2, 3), max_position_embeddings=64))
+        write = lambda: save_eagle3(draft, out)  # noqa: E731
+    else:
+        out = tmp_path / "best"
+        out.mkdir()
+        (out / "earlier.txt").write_text("kept")
+        write = lambda: save_best(tmp_path, {"w": torch.zeros(2)}, 3, {"tau": 1.0})  # noqa: E731
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(checkpoints, "save_file", disk_full)
+    with pytest.raises(UserError) as e:
+        write()
+    assert str(e.value).startswith(f"writing {out} failed (Error while serializing") and "No space left" in str(e.value)
+    assert "start the same command again" in str(e.value)
+    assert os.listdir(out) == ["earlier.txt"] and (out / "earlier.txt").read_text() == "kept"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind

@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..export import render_acceptance_table
-from ..fileio import atomic_dir
+from ..export import read_export_config, render_acceptance_table, save_tensor_dir
 from .model import Eagle3Config, Eagle3Draft, check_aux_layer_ids, default_aux_layer_ids
 
 WEIGHTS_NAME = "model.safetensors"
@@ -156,17 +155,8 @@ def save_eagle3(draft: Eagle3Draft, out_dir, *, acceptance_table: list[dict] | N
                 base_info: dict | None = None, extra_config: dict | None = None) -> Path:
     """Write config.json, model.safetensors and README.md to `out_dir`, replacing it atomically.
     `acceptance_table`: rows for the card (`drafttrain.export.render_acceptance_table`)."""
-    from safetensors.torch import save_file
-
-    dtype = draft.lm_head.weight.dtype
-    cfg = eagle3_config_dict(draft.config, dtype, extra_config)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in draft.state_dict().items()}
-    out_dir = Path(out_dir)
-    with atomic_dir(out_dir, overwrite=True) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(cfg, acceptance_table, base_info))
-    return out_dir
+    cfg = eagle3_config_dict(draft.config, draft.lm_head.weight.dtype, extra_config)
+    return save_tensor_dir(out_dir, draft.state_dict(), cfg, model_card(cfg, acceptance_table, base_info))
 
 
 def _int(cfg: dict, key: str, where: Path) -> int:
@@ -265,18 +255,9 @@ def load_eagle3(path, device=None, dtype: torch.dtype | None = None,
     to the file's. With `target_config`, the draft is checked against that target. Attach the
     target's embedding before use: `draft.attach_embeddings(target.get_input_embeddings())`."""
     path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"EAGLE-3 draft directory {str(path)!r} does not exist; pass the directory written by "
-                        "train_eagle3 (it holds config.json and model.safetensors)")
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"{path} has no config.json; pass an EAGLE-3 draft directory")
-    try:
-        cfg = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{config_file} is not valid JSON ({e}); re-export the draft") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{config_file} must hold a JSON object; re-export the draft")
+    cfg = read_export_config(path, "EAGLE-3 draft directory", "train_eagle3", "an EAGLE-3 draft directory",
+                             "re-export the draft")
     archs = cfg.get("architectures") or []
     if not any(a in ACCEPTED_ARCHITECTURES for a in archs):
         raise UserError(f"{config_file}: architectures is {archs}, not [{ARCHITECTURE!r}]; pass an EAGLE-3 draft "

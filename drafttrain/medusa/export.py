@@ -13,14 +13,13 @@ loader also renames every key containing "num" and "heads" to `num_heads` (and "
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError
-from ..fileio import atomic_dir
+from ..export import read_export_config, save_tensor_dir
 from .model import MedusaConfig, MedusaHeads
 
 WEIGHTS_NAME = "model.safetensors"
@@ -86,17 +85,8 @@ def _model_card(cfg: dict, notes: str | None) -> str:
 
 def save_medusa(heads: MedusaHeads, out_dir, extra: dict | None = None, card_notes: str | None = None) -> Path:
     """Write config.json, model.safetensors (vLLM key names) and README.md, atomically."""
-    from safetensors.torch import save_file
-
-    dtype = next(heads.parameters()).dtype
-    cfg = medusa_config_dict(heads.config, dtype, extra)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in heads.state_dict().items()}
-    out_dir = Path(out_dir)
-    with atomic_dir(out_dir, overwrite=True) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / "README.md").write_text(_model_card(cfg, card_notes))
-    return out_dir
+    cfg = medusa_config_dict(heads.config, next(heads.parameters()).dtype, extra)
+    return save_tensor_dir(out_dir, heads.state_dict(), cfg, _model_card(cfg, card_notes))
 
 
 def _config_int(cfg: dict, key: str, path: Path) -> int:
@@ -136,19 +126,9 @@ def _to_vllm_names(state: dict[str, torch.Tensor], num_layers: int) -> dict[str,
 def load_medusa(path, device=None, dtype: torch.dtype | None = None) -> MedusaHeads:
     """Read heads saved by `save_medusa` (or the original Medusa layout); dtype defaults to the file's."""
     path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"Medusa heads directory {str(path)!r} does not exist; pass the directory "
-                        "written by train_heads (it holds config.json and model.safetensors)")
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"{path} has no config.json; pass a Medusa heads directory "
-                        "(vLLM format: config.json with model_type 'medusa' + model.safetensors)")
-    try:
-        cfg = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{config_file} is not valid JSON ({e.msg} at line {e.lineno}); re-export the heads")
-    if not isinstance(cfg, dict):
-        raise UserError(f"{config_file} must hold a JSON object; re-export the heads")
+    cfg = read_export_config(path, "Medusa heads directory", "train_heads", "a Medusa heads directory (vLLM format: "
+                             "config.json with model_type 'medusa' + model.safetensors)", "re-export the heads")
 
     # Same key folding as vLLM's MedusaConfig.from_pretrained (covers medusa_num_heads etc.).
     for key in list(cfg):

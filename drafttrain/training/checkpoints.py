@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
+from ..export import writing
 from ..fileio import atomic_dir, atomic_write_json
 from ..models import first_line
 from .distributed import raise_if_any
@@ -236,7 +237,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def save_best(output_dir: Path, weights: dict[str, torch.Tensor], step: int, metrics: dict) -> None:
-    with atomic_dir(Path(output_dir) / BEST_DIR, overwrite=True) as tmp:
+    with writing(Path(output_dir) / BEST_DIR), atomic_dir(Path(output_dir) / BEST_DIR, overwrite=True) as tmp:
         save_weights(weights, tmp / BEST_WEIGHTS)
         atomic_write_json(tmp / BEST_META, {"step": step, "metrics": metrics,
                                             "sha256": file_sha256(tmp / BEST_WEIGHTS)})

@@ -81,7 +81,23 @@ class Eagle3DraftCache:
             return self.engine.step(hidden, tokens, positions, tree_mask=tree_mask)
 
 
-class Eagle3Proposer(Proposer):
+class _OnTheDraftCache:
+    """What the chain proposer and the tree drafter share: the draft's cache, started with the
+    prompt's target features, and the count of its forwards."""
+
+    state: Eagle3DraftCache
+    committed: int
+
+    @property
+    def forwards(self) -> int:
+        return self.state.forwards
+
+    def reset(self, prompt, hidden=None):
+        self.state.reset(prompt, hidden)
+        self.committed = self.state.length
+
+
+class Eagle3Proposer(_OnTheDraftCache, Proposer):
     """A chain of K drafts; with temperature > 0 each is sampled from the draft's distribution."""
 
     name = "eagle3"
@@ -94,14 +110,6 @@ class Eagle3Proposer(Proposer):
         self.device = torch.device(device)
         self.empty = torch.empty(0, dtype=torch.long, device=self.device)
         self.committed = 0
-
-    @property
-    def forwards(self) -> int:
-        return self.state.forwards
-
-    def reset(self, prompt, hidden=None):
-        self.state.reset(prompt, hidden)
-        self.committed = self.state.length
 
     def propose(self, k, sequence):
         last = self.state.last
@@ -133,7 +141,7 @@ class Eagle3Proposer(Proposer):
         return self.state.engine.warmup([(1, 1)])  # every chain drafting step is one token
 
 
-class Eagle3TreeDrafter(TreeDrafter):
+class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
     """Greedy tree drafting: `paths` (a static tree, Medusa-style top-k choices per depth) or,
     with `paths=None`, EAGLE-2's dynamic tree of `nodes` nodes (root included), `depth` deep,
     expanding the `topk` most likely nodes of each depth."""
@@ -161,14 +169,6 @@ class Eagle3TreeDrafter(TreeDrafter):
     @property
     def kind(self) -> str:
         return "static" if self.buffers is not None else f"dynamic ({self.max_nodes} nodes, top-{self.topk})"
-
-    @property
-    def forwards(self) -> int:
-        return self.state.forwards
-
-    def reset(self, prompt, hidden=None):
-        self.state.reset(prompt, hidden)
-        self.committed = self.state.length
 
     def commit(self, nodes, accepted, bonus, hidden=None):
         self.state.commit(self.committed, hidden, list(accepted) + [bonus])
