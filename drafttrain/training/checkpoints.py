@@ -135,11 +135,15 @@ class ResumePoint:
 def find_resume_checkpoint(output_dir: str | Path) -> ResumePoint:
     """The newest intact checkpoint; damaged newer ones are listed in `skipped`. Raises a UserError
     naming every checkpoint and its damage when there are checkpoints but none is intact."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if root.exists() and not root.is_dir():  # resuming "from nothing" would overwrite best/ and the log
+        raise UserError(f"{root} is not a directory (a file took its place), so the run's checkpoints cannot be "
+                        "read; put the checkpoints directory back, or start over with --overwrite")
     skipped = []
-    for _, path in reversed(complete_checkpoints(output_dir)):
+    for step, path in reversed(complete_checkpoints(output_dir)):
         if not (path / MANIFEST_FILE).is_file():
             return ResumePoint(path, verified=False, skipped=skipped)
-        problem = manifest_problem(path)
+        problem = manifest_problem(path) or state_problem(path, step)
         if problem is None:
             return ResumePoint(path, skipped=skipped)
         skipped.append((path, problem))
@@ -160,6 +164,24 @@ def set_aside(path: Path) -> Path:
 
 def read_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def state_problem(checkpoint: Path, step: int) -> str | None:
+    """None if trainer_state.json holds what a resume reads, with the directory's step; else what is
+    wrong (a checkpoint whose manifest was rewritten to match a bad state is damaged all the same)."""
+    try:
+        state = read_state(checkpoint)
+    except (OSError, ValueError) as e:
+        return f"its {STATE_FILE} is unreadable ({e})"
+    if not isinstance(state, dict):
+        return f"its {STATE_FILE} is not a JSON object"
+    number = (int, float)
+    checks = {"step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v == step,
+              "best_step": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= step),
+              "best_tau": lambda v: v is None or (isinstance(v, number) and not isinstance(v, bool)),
+              "evals": lambda v: isinstance(v, list) and all(isinstance(e, dict) for e in v)}
+    bad = [key for key, ok in checks.items() if key not in state or not ok(state[key])]
+    return f"its {STATE_FILE} has a missing or bad {', '.join(bad)}" if bad else None
 
 
 # ----------------------------------------------------------------------------- writing and pruning

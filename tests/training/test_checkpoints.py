@@ -15,7 +15,7 @@ from test_trainer import Crash, held_out_tau, mse, read_log, reset_accelerate, r
 from training_helpers import subprocess_env
 
 from drafttrain.errors import UserError
-from drafttrain.training.checkpoints import MANIFEST_FILE, complete_checkpoints, manifest_problem
+from drafttrain.training.checkpoints import MANIFEST_FILE, complete_checkpoints, manifest_problem, write_manifest
 from drafttrain.training.config import OptimConfig, TrainConfig
 from drafttrain.training.run_dir import RunLock
 
@@ -81,7 +81,18 @@ DAMAGE = {
     "scheduler state deleted": ("custom_checkpoint_0.pkl", lambda p: p.unlink()),
     "random states deleted": ("random_states_0.pkl", lambda p: p.unlink()),
     "trainer state edited": ("trainer_state.json", lambda p: p.write_text(p.read_text().replace('"step": 6', '"step": 7'))),
+    "trainer state bad fields, manifest rewritten to match": ("trainer_state.json", lambda p: bad_state(p)),
 }
+
+
+def bad_state(path):
+    """A trainer_state.json without best_tau and with evals that are no list, whose manifest was
+    rewritten to match: the files verify, the state is still unusable."""
+    state = json.loads(path.read_text())
+    del state["best_tau"]
+    state["evals"] = 5
+    path.write_text(json.dumps(state))
+    write_manifest(path.parent)
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
@@ -113,6 +124,18 @@ def test_with_no_intact_checkpoint_the_resume_stops_and_touches_nothing(tmp_path
                                         r"checksum; step-3: optimizer.bin is missing.*--overwrite"):
         run(out, TrainConfig(**CFG), OPTIM, evaluate_fn=held_out_tau)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_checkpoints_replaced_by_a_file_stop_the_resume_and_touch_nothing(tmp_path):
+    """Resuming as if from nothing would overwrite best/ and cut the training log."""
+    out = tmp_path / "run"
+    interrupted(out)
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").write_text("not a directory")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(UserError, match=r"checkpoints is not a directory .*--overwrite"):
+        run(out, TrainConfig(**CFG), OPTIM, evaluate_fn=held_out_tau)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_a_checkpoint_from_before_manifests_is_resumed_with_a_warning(whole, tmp_path, capsys):
