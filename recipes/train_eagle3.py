@@ -169,8 +169,9 @@ class Eagle3Recipe(Recipe):
             raise UserError(f"the EAGLE-3 draft copies the shape of a {', '.join(SUPPORTED)} decoder layer; this "
                             f"target is {kind!r}")
         layers = self.target.config.num_hidden_layers
-        self.aux_layer_ids = (check_aux_layer_ids(cfg.draft.aux_layer_ids, layers)
-                              if cfg.draft.aux_layer_ids is not None else None)
+        # Checked now, before the target answers anything: the default too (a small target has none).
+        checked = check_aux_layer_ids(cfg.draft.aux_layer_ids, layers)
+        self.aux_layer_ids = checked if cfg.draft.aux_layer_ids is not None else None
         if cfg.draft.vocab_size > output_vocab_size(self.target):
             raise UserError(f"draft.vocab_size {cfg.draft.vocab_size} exceeds the target's vocabulary of "
                             f"{output_vocab_size(self.target)}; lower it")

@@ -55,13 +55,31 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, int, int]:
-    ids = tuple(int(i) for i in ids)
-    if len(ids) != 3 or not all(1 <= i <= num_layers - 1 for i in ids) or not ids[0] < ids[1] < ids[2]:
-        raise UserError(f"aux_layer_ids {list(ids)} must be 3 strictly ascending hidden-state indices in "
-                        f"[1, {num_layers - 1}] for a target of {num_layers} layers (index i = output of "
-                        f"layer i-1); the default is {list(default_aux_layer_ids(num_layers))}")
-    return ids
+def valid_aux_layer_ids(ids: Sequence[int], num_layers: int) -> bool:
+    return len(ids) == 3 and all(1 <= i <= num_layers - 1 for i in ids) and ids[0] < ids[1] < ids[2]
+
+
+def suggested_aux_layer_ids(num_layers: int) -> tuple[int, int, int] | None:
+    """The default where it is valid, else a low, a middle and a high layer; None below 4 layers,
+    where no three distinct hidden states of layers 1 .. L-1 exist."""
+    if num_layers < 4:
+        return None
+    default = default_aux_layer_ids(num_layers)
+    return default if valid_aux_layer_ids(default, num_layers) else (1, num_layers // 2, num_layers - 1)
+
+
+def check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> tuple[int, int, int]:
+    """`ids` (None: the default), checked against a target of `num_layers` layers."""
+    given = ids is not None
+    ids = tuple(int(i) for i in ids) if given else default_aux_layer_ids(num_layers)
+    if valid_aux_layer_ids(ids, num_layers):
+        return ids
+    what = f"aux_layer_ids {list(ids)}" if given else f"the default aux_layer_ids {list(ids)} (2, L//2, L-3)"
+    suggestion = suggested_aux_layer_ids(num_layers)
+    fix = (f"set draft.aux_layer_ids to e.g. {list(suggestion)}" if suggestion else
+           f"no valid ids exist for {num_layers} layers: an EAGLE-3 draft needs a target of at least 4 layers")
+    raise UserError(f"{what} must be 3 strictly ascending hidden-state indices in [1, {num_layers - 1}] for a "
+                    f"target of {num_layers} layers (index i = output of layer i-1); {fix}")
 
 
 def _rope_parameters(target_config) -> dict:

@@ -53,6 +53,7 @@ from .distributed import build_accelerator, close_process_group, is_sharded, zer
 from .frozen import local_fraction, shard_frozen
 from .acceptance import eval_prompts
 from .run_dir import RunDirectory
+from .sampler import check_enough_examples
 from .trainer import TrainResult, train
 
 TargetDtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
@@ -238,6 +239,8 @@ class Recipe:
         if self.main:
             self.save_initial()
         self.data, self.prompts = self.prepare_data()
+        check_enough_examples(len(self.data.train), cfg.train.micro_batch_size, self.accelerator.num_processes,
+                              cfg.train.gradient_accumulation_steps)  # before any evaluation writes best/
         about = self.describe()
         self.accelerator.print(f"{len(self.data.train)} training examples, {len(self.data.heldout)} held-out prompts "
                                f"({len(self.prompts)} used for evaluation)" + (f"; {about}" if about else ""))

@@ -28,7 +28,7 @@ import yaml
 from ..config import config_to_dict, dump_config_yaml
 from ..errors import UserError
 from ..fileio import atomic_write_text, check_output_dir
-from .checkpoints import CHECKPOINT_DIR, find_resume_checkpoint
+from .checkpoints import CHECKPOINT_DIR, complete_checkpoints, find_resume_checkpoint
 from .distributed import on_main
 
 LOCK_FILE = ".lock"
@@ -160,9 +160,11 @@ def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object
 
 
 def check_same_config(output_dir: str | Path, cfg) -> None:
-    """Refuse to resume a run whose config.yaml differs from `cfg` in a key that is not safe to change."""
+    """Refuse to resume a run whose config.yaml differs from `cfg` in a key that is not safe to change.
+    A run that never saved a checkpoint has nothing to resume (a start refused for bad input, say):
+    a corrected config starts it over."""
     path = Path(output_dir) / CONFIG_FILE
-    if not path.is_file():
+    if not path.is_file() or not complete_checkpoints(output_dir):
         return
     try:
         saved = yaml.safe_load(path.read_text()) or {}

@@ -17,6 +17,16 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
+def check_enough_examples(n: int, micro_batch_size: int, world_size: int, gradient_accumulation_steps: int) -> None:
+    """At least one global batch of examples (a recipe checks it before its first evaluation writes)."""
+    global_batch = micro_batch_size * world_size * gradient_accumulation_steps
+    if n < global_batch:
+        raise UserError(f"the training set has {n} examples, fewer than one global batch of {global_batch} "
+                        f"({world_size} process(es) x micro_batch_size {micro_batch_size} x "
+                        f"gradient_accumulation_steps {gradient_accumulation_steps}); add prompts or make "
+                        "the batch smaller")
+
+
 class MicroBatches(torch.utils.data.Sampler):
     """This rank's micro-batches (lists of example indices), from its micro-batch `start` on, forever.
 
@@ -31,13 +41,9 @@ class MicroBatches(torch.utils.data.Sampler):
     def __init__(self, n: int, micro_batch_size: int, world_size: int, rank: int, seed: int,
                  gradient_accumulation_steps: int = 1, start: int = 0):
         self.n, self.b, self.world, self.rank, self.seed, self.start = n, micro_batch_size, world_size, rank, seed, start
+        check_enough_examples(n, micro_batch_size, world_size, gradient_accumulation_steps)
         global_batch = micro_batch_size * world_size * gradient_accumulation_steps
         self.per_epoch = (n // global_batch) * gradient_accumulation_steps  # this rank's micro-batches
-        if self.per_epoch < 1:
-            raise UserError(f"the training set has {n} examples, fewer than one global batch of {global_batch} "
-                            f"({world_size} process(es) x micro_batch_size {micro_batch_size} x "
-                            f"gradient_accumulation_steps {gradient_accumulation_steps}); add prompts or make "
-                            "the batch smaller")
 
     def __iter__(self):
         u = self.start

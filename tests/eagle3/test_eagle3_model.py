@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -240,6 +242,22 @@ def test_aux_layer_ids_are_checked():
             check_aux_layer_ids(bad, 7)
     with pytest.raises(UserError):  # too few layers for the default: (2, 2, 1)
         Eagle3Config.from_target(_four_layer_config(), 10)
+
+
+@pytest.mark.parametrize("layers, suggestion", [(4, "[1, 2, 3]"), (6, "[1, 3, 5]"), (30, "[2, 15, 27]")])
+def test_a_bad_choice_suggests_ids_that_are_valid(layers, suggestion):
+    """The old message suggested the default even where it is invalid ((2, 2, 1) for 4 layers)."""
+    assert check_aux_layer_ids(None, 30) == (2, 15, 27)
+    with pytest.raises(UserError, match=rf"set draft.aux_layer_ids to e.g. {re.escape(suggestion)}$"):
+        check_aux_layer_ids([0, 1, 2], layers)
+    fixed = [int(x) for x in suggestion.strip("[]").split(", ")]
+    assert check_aux_layer_ids(fixed, layers) == tuple(fixed)
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_a_target_too_small_for_any_ids_says_so(layers):
+    with pytest.raises(UserError, match=rf"the default aux_layer_ids .* no valid ids exist for {layers} layers"):
+        check_aux_layer_ids(None, layers)
 
 
 def _four_layer_config():

@@ -167,3 +167,23 @@ def test_damaged_target_weights_are_one_error_line_and_leave_no_run_directory(da
     lines = stderr_lines(capfd)
     assert len(lines) == 1 and lines[0].startswith("error: cannot load the target"), lines
     assert not (tmp_path / "runs").exists()  # the lock was taken, and taken back with the directories it made
+
+
+# ----------------------------------------------------------------------------- early failures
+
+
+def test_a_start_refused_for_bad_input_does_not_pin_its_config(assets, tmp_path, capfd):
+    """A start refused after the run directory was started (a missing prompt file, a batch larger
+    than the data) saved no checkpoint: the corrected command starts it over instead of being
+    refused as 'another config', and nothing a training step writes exists before it is fixed."""
+    out = tmp_path / "run"
+    capfd.readouterr()
+    missing = f"data.sources=[{{kind: jsonl, path: {tmp_path / 'nowhere.jsonl'}}}]"
+    assert main(assets, out, missing) == 2
+    assert len(stderr_lines(capfd)) == 1
+    assert main(assets, out, "train.micro_batch_size=100000") == 2
+    lines = stderr_lines(capfd)
+    assert len(lines) == 1 and "fewer than one global batch" in lines[0], lines
+    assert not (out / "best").exists() and not (out / "train_log.jsonl").exists()
+    assert main(assets, out, "train.max_steps=2", "train.eval_every=0", "eval.num_prompts=2") == 0
+    assert (out / "final" / "config.json").is_file()
