@@ -12,10 +12,11 @@ from .errors import UserError
 def build_parser() -> argparse.ArgumentParser:
     from . import assets, bench, preflight
     from .evaluation import cli as evaluation
+    from .training import launch
 
     parser = Parser(prog="drafttrain", description="Train drafters for speculative decoding and measure them.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (evaluation, preflight, assets, bench):
+    for module in (evaluation, preflight, assets, bench, launch):
         module.add_cli(sub)
     return parser
 
@@ -44,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     exit 130. The Ctrl-C handler covers start-up too: the subcommands import torch and
     transformers, seconds in which a Ctrl-C used to end in a long KeyboardInterrupt traceback."""
     args = None
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):  # accelerate's arguments, as they are
+            from .training.launch import launch
+
+            return launch(argv[1:])
         args = build_parser().parse_args(argv)
         quiet_deepspeed_probe()
         return int(args.func(args) or 0)
