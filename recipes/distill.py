@@ -17,7 +17,9 @@ The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.ru
    next-token distribution and the draft's - computed on the fly from the same batch, or read
    from the target's stored top-k (`data.store_topk`) - optionally on the prompt's positions
    too, and on a fraction of steps on continuations the current draft samples itself (GKD,
-   Agarwal et al. 2024) so it also learns on the text it actually proposes.
+   Agarwal et al. 2024) so it also learns on the text it actually proposes. A parallel draft
+   (`draft.parallel_tokens`, PARD) learns every depth at once: K-1 mask tokens after each trained
+   position, in the same forward (`drafttrain.parallel`).
 5. Measure what matters: greedy speculative decoding of held-out prompts with drafttrain's own
    decoder. Its mean accepted length tau picks the exported weights, not the loss.
 6. Export the best draft to `final/` (SPEC §3) with its acceptance table.
@@ -34,7 +36,7 @@ import torch
 
 from drafttrain.config import setting
 from drafttrain.data import DataConfig, onpolicy_batch, onpolicy_step, response_window
-from drafttrain.data.collate import DistillCollator
+from drafttrain.data.collate import TrainingCollator
 from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings, Drafter
 from drafttrain.draft_init import draft_from_target
 from drafttrain.errors import UserError
@@ -201,14 +203,14 @@ class DistillRecipe(Recipe):
             export_draft(self.draft, self.tokenizer, self.out / "initial", eos_token_id=self.export_eos,
                          base_info={**self.card_info, "stage": "initial (before distillation)"})
 
-    def build_trainable(self) -> torch.nn.Module:
-        return self.draft
-
-    def make_collator(self) -> DistillCollator:
+    def make_collator(self) -> TrainingCollator:
         """Prompts aligned (one block of trained positions); prompt positions too when they are trained."""
         data = self.config.data
-        return DistillCollator(data.max_seq_len, self.pad_id, align_prompts=True,
+        return TrainingCollator(data.max_seq_len, self.pad_id, align_prompts=True,
                                prompt_positions=data.prompt_loss_weight > 0)
+
+    def build_trainable(self) -> torch.nn.Module:
+        return self.draft
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         cfg = self.config

@@ -36,7 +36,7 @@ from torch import nn
 
 from drafttrain.config import setting
 from drafttrain.data import DataConfig
-from drafttrain.data.collate import DistillCollator
+from drafttrain.data.collate import TrainingCollator
 from drafttrain.decoding import NUM_DRAFT_TOKENS
 from drafttrain.decoding import DecodeSettings, Drafter
 from drafttrain.eagle3.export import save_eagle3
@@ -278,7 +278,7 @@ class Eagle3Recipe(Recipe):
                                "held-out prompts": len(self.prompts)})
 
 
-class Eagle3Collator(DistillCollator):
+class Eagle3Collator(TrainingCollator):
     """The distillation batches, plus each row's `example_index` when the data carries one."""
 
     def __call__(self, rows):

@@ -142,7 +142,7 @@ def response_window(loss_mask: torch.Tensor) -> int:
     return int(loss_mask.int().argmax(dim=1)[rows].min())
 
 
-class DistillCollator:
+class TrainingCollator:
     """`collate_fn` for a DataLoader over `generate_responses` rows: packs, then pads."""
 
     def __init__(self, max_seq_len: int, pad_id: int, pad_to_multiple_of: int | None = None,

@@ -13,7 +13,7 @@ import random
 import torch
 
 from ..tokens import cut_at_eos, left_pad
-from .collate import DistillCollator
+from .collate import TrainingCollator
 
 
 def onpolicy_step(fraction: float, seed: int, step: int) -> bool:
@@ -22,7 +22,7 @@ def onpolicy_step(fraction: float, seed: int, step: int) -> bool:
 
 
 @torch.no_grad()
-def onpolicy_batch(draft, batch: dict, collator: DistillCollator, *, temperature: float, max_new_tokens: int,
+def onpolicy_batch(draft, batch: dict, collator: TrainingCollator, *, temperature: float, max_new_tokens: int,
                    eos_ids: list[int], pad_id: int, seed: int, synced_gpus: bool = False) -> dict:
     """The batch's prompts, each continued by `draft` (sampled, or greedy at temperature 0).
 

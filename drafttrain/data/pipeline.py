@@ -15,13 +15,13 @@ from .sources import load_prompts_from_source, split_heldout
 
 
 @dataclass
-class DistillData:
+class TrainingData:
     train: object                    # datasets.Dataset of generate_responses rows
     heldout: list[PromptRecord]      # never trained on; write with sources.write_prompts_jsonl for eval
 
 
 def prepare_distillation_data(cfg: DataConfig, target_model, tokenizer, *, target_path: str,
-                              fingerprint: str | None = None) -> DistillData:
+                              fingerprint: str | None = None) -> TrainingData:
     """`fingerprint`: the target's `target_fingerprint`, when it was taken before the target was
     sharded (a sharded model's weights cannot be sampled outside its forward)."""
     cfg.validate()
@@ -50,4 +50,4 @@ def prepare_distillation_data(cfg: DataConfig, target_model, tokenizer, *, targe
     dataset = generate_responses(target_model, tokenizer, kept, cfg,
                                  eos_token_id=eos_token_ids(tokenizer, target_model, required=True),
                                  cache_dir=cfg.cache_dir, target_fingerprint=fingerprint)
-    return DistillData(train=dataset, heldout=heldout)
+    return TrainingData(train=dataset, heldout=heldout)

@@ -37,10 +37,10 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ..config import check_settings, config_to_dict, parse_argv, setting
-from ..data.collate import DistillCollator
+from ..data.collate import TrainingCollator
 from ..data.config import DataConfig
 from ..data.generation import target_fingerprint
-from ..data.pipeline import DistillData, prepare_distillation_data
+from ..data.pipeline import TrainingData, prepare_distillation_data
 from ..data.sources import write_prompts_jsonl
 from ..errors import UserError
 from ..fileio import atomic_write_json
@@ -130,7 +130,7 @@ class Recipe:
     the hooks; `run()` (setup, train, cleanup) is the same for all. Available to the hooks:
     `self.config`, `self.accelerator`, `self.device`, `self.out` (the run directory), and once
     loaded `self.tokenizer`, `self.target` (set them in load_models), `self.eos_ids`, `self.pad_id`,
-    `self.data` (DistillData: `train` rows, `heldout` records), `self.prompts` (what evaluate decodes)."""
+    `self.data` (TrainingData: `train` rows, `heldout` records), `self.prompts` (what evaluate decodes)."""
 
     config_class: ClassVar[type[RecipeConfig]] = RecipeConfig
     script: ClassVar[str] = "recipe"              # e.g. "recipes/distill.py": --help, model cards
@@ -184,7 +184,7 @@ class Recipe:
 
     def make_collator(self):
         """Batches of prompt + response, prompts aligned so the trained positions form one block."""
-        return DistillCollator(self.config.data.max_seq_len, self.pad_id, align_prompts=True)
+        return TrainingCollator(self.config.data.max_seq_len, self.pad_id, align_prompts=True)
 
     def build_trainable(self) -> torch.nn.Module:
         """The module the optimizer trains (its requires_grad parameters); built after the data."""
@@ -247,7 +247,7 @@ class Recipe:
         self.collator = self.make_collator()
         self.trainable = self.build_trainable()
 
-    def prepare_data(self) -> tuple[DistillData, list[EncodedPrompt]]:
+    def prepare_data(self) -> tuple[TrainingData, list[EncodedPrompt]]:
         """The target's answers to the training prompts (generated once, cached), the held-out
         prompts (saved to heldout.jsonl for `drafttrain eval`) and the first of them that
         evaluation decodes."""

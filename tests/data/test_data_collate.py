@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.data.collate import IGNORE_INDEX, DistillCollator, collate, pack_example
+from drafttrain.data.collate import IGNORE_INDEX, TrainingCollator, collate, pack_example
 
 X = IGNORE_INDEX
 
@@ -85,7 +85,7 @@ def test_labels_give_the_response_negative_log_likelihood():
 
 def test_distill_collator_packs_dataset_rows():
     rows = [{"prompt_ids": [10, 11, 12], "response_ids": [20, 21, 3]}, {"prompt_ids": [30], "response_ids": [40]}]
-    out = DistillCollator(max_seq_len=5, pad_id=0)(rows)
+    out = TrainingCollator(max_seq_len=5, pad_id=0)(rows)
     expected = collate([pack_example(r["prompt_ids"], r["response_ids"], 5) for r in rows], pad_id=0)
     assert out.keys() == expected.keys()
     assert all(torch.equal(out[k], expected[k]) for k in out)

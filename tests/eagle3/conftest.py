@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.data.collate import DistillCollator
+from drafttrain.data.collate import TrainingCollator
 from drafttrain.eagle3.loss import eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden
 from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft, tiny_target
 from tiny import greedy_reference
@@ -24,7 +24,7 @@ def trained_pair():
     for _ in range(24):
         prompt = torch.randint(3, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
         rows.append({"prompt_ids": prompt, "response_ids": greedy_reference(target, prompt, 16, eos=EOS)})
-    collate = DistillCollator(max_seq_len=32, pad_id=EOS, align_prompts=True)
+    collate = TrainingCollator(max_seq_len=32, pad_id=EOS, align_prompts=True)
     optim = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     steps = 3
     for it in range(80):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from drafttrain.data.collate import DistillCollator
+from drafttrain.data.collate import TrainingCollator
 from drafttrain.eagle3.loss import (eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden,
                                     teacher_logits_from_topk)
 from eagle3_helpers import target_hidden_states, tiny_draft, tiny_target
@@ -23,7 +23,7 @@ def setup():
     rows = [{"prompt_ids": [5, 9, 13, 21, 30], "response_ids": [40, 41, 7, 63, 33, 8, 2, 61]},
             {"prompt_ids": [11, 3], "response_ids": [17, 25, 62, 44, 50, 2]},
             {"prompt_ids": [1, 4, 7, 10], "response_ids": [60, 13]}]
-    batch = DistillCollator(max_seq_len=64, pad_id=2, align_prompts=True)(rows)
+    batch = TrainingCollator(max_seq_len=64, pad_id=2, align_prompts=True)(rows)
     hs = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     return target, draft, batch, hs
 
@@ -83,7 +83,7 @@ def test_loss_and_accuracy_equal_a_brute_force_loop(setup):
 def test_steps_that_train_nothing_drop_out_of_the_weighting(setup):
     target, draft, _, _ = setup
     # Prompt of 2, answer of 2: step 0 trains 2 positions, step 1 one, step 2 none.
-    batch = DistillCollator(max_seq_len=64, pad_id=2)([{"prompt_ids": [5, 6], "response_ids": [41, 42]}])
+    batch = TrainingCollator(max_seq_len=64, pad_id=2)([{"prompt_ids": [5, 6], "response_ids": [41, 42]}])
     hs = target_hidden_states(target, batch["input_ids"])
     with torch.no_grad():
         logits = draft(draft.target_features(hs), batch["input_ids"], num_steps=STEPS)

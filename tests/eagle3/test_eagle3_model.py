@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from drafttrain.data.collate import DistillCollator
+from drafttrain.data.collate import TrainingCollator
 from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
 from drafttrain.eagle3.model import Eagle3Config, Eagle3Draft, check_aux_layer_ids, default_aux_layer_ids
 from drafttrain.errors import UserError
@@ -26,7 +26,7 @@ def collated_batch():
     """Two rows as drafttrain's collator makes them: left-padded prompts, per-row positions."""
     rows = [{"prompt_ids": [5, 9, 13, 21, 30], "response_ids": [40, 41, 7, 12, 33, 8, 2]},
             {"prompt_ids": [11, 3], "response_ids": [17, 25, 6, 44, 50, 2]}]
-    return DistillCollator(max_seq_len=64, pad_id=2, align_prompts=True)(rows)
+    return TrainingCollator(max_seq_len=64, pad_id=2, align_prompts=True)(rows)
 
 
 def decode_reference(draft, target, tokens: list[int], p: int, steps: int) -> list[torch.Tensor]:

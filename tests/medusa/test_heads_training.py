@@ -14,7 +14,7 @@ import recipes.train_heads as heads_recipe
 from recipes.train_heads import HeadsLoraConfig, add_lora
 
 from drafttrain.cli import main as cli_main
-from drafttrain.data.collate import DistillCollator
+from drafttrain.data.collate import TrainingCollator
 from drafttrain.medusa.calibrate import head_topk_accuracy
 from drafttrain.medusa.loss import JointObjective, medusa_heads_loss
 from drafttrain.medusa.model import MedusaHeads
@@ -76,7 +76,7 @@ def test_heads_loss_alignment_matches_brute_force(kind):
     with torch.no_grad():  # distinct heads, so a head swapped for another would show
         for p in heads.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    batch = DistillCollator(MAX_SEQ_LEN, pad_id=2)([{"prompt_ids": p, "response_ids": r} for p, r in ROWS])
+    batch = TrainingCollator(MAX_SEQ_LEN, pad_id=2)([{"prompt_ids": p, "response_ids": r} for p, r in ROWS])
     with torch.no_grad():
         out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
     loss, logs = medusa_heads_loss(heads, out.hidden_states[-1], batch["loss_mask"], batch["labels"], kind=kind,
@@ -104,7 +104,7 @@ def test_joint_loss_is_kl_to_the_original_target():
             if "lora_B" in name:
                 p.normal_(0, 0.2)
     adapted = copy.deepcopy(module.target).merge_and_unload()
-    batch = DistillCollator(MAX_SEQ_LEN, pad_id=2)([{"prompt_ids": p, "response_ids": r} for p, r in ROWS])
+    batch = TrainingCollator(MAX_SEQ_LEN, pad_id=2)([{"prompt_ids": p, "response_ids": r} for p, r in ROWS])
     module.eval()
     _, logs = module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["labels"])
 

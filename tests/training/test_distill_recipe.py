@@ -18,7 +18,7 @@ from training_helpers import (RECIPE, assert_same_weights, load_recipe, load_wei
 from recipes.distill import DistillConfig
 
 from drafttrain.config import dump_config_yaml, load_config, undocumented_fields
-from drafttrain.data import DistillCollator, onpolicy_batch, onpolicy_step, response_window
+from drafttrain.data import TrainingCollator, onpolicy_batch, onpolicy_step, response_window
 from drafttrain.losses import distill_loss, topk_teacher_logits
 
 EOS = 2  # tests/tiny.py: <|im_end|>
@@ -105,7 +105,7 @@ def test_onpolicy_batch_continues_each_prompt_like_generate_alone():
     from tiny import tiny_lm
 
     draft = tiny_lm(seed=3, layers=1)  # float64
-    collator = DistillCollator(max_seq_len=32, pad_id=EOS)
+    collator = TrainingCollator(max_seq_len=32, pad_id=EOS)
     rows = [{"prompt_ids": [5, 9, 11, 4], "response_ids": [7, 7, EOS]},
             {"prompt_ids": [12, 30], "response_ids": [8, 8, 8, 8, 8]},
             {"prompt_ids": [40, 41, 42, 43, 44, 45], "response_ids": [9]}]
@@ -310,11 +310,11 @@ def test_aligned_prompts_and_windowed_logits_give_the_plain_loss():
     rows = [{"prompt_ids": [5, 6, 7, 8, 9, 10], "response_ids": [11, 12, EOS]},
             {"prompt_ids": [5, 6], "response_ids": [13, 14, 15, 16, EOS]},
             {"prompt_ids": [20, 21, 22], "response_ids": [23]}]
-    plain = DistillCollator(64, EOS)(rows)  # right padding, logits everywhere: the reference
+    plain = TrainingCollator(64, EOS)(rows)  # right padding, logits everywhere: the reference
     kw = dict(input_ids=plain["input_ids"], attention_mask=plain["attention_mask"])
     reference = distill_loss(student(**kw).logits, teacher(**kw).logits, plain["loss_mask"], kind="jsd")
 
-    batch = DistillCollator(64, EOS, align_prompts=True)(rows)
+    batch = TrainingCollator(64, EOS, align_prompts=True)(rows)
     start = response_window(batch["loss_mask"])
     assert start == 5  # every response starts after the longest prompt (6 tokens)
     assert batch["loss_mask"][:, :start].sum() == 0 and batch["loss_mask"].sum() == plain["loss_mask"].sum()
@@ -363,6 +363,28 @@ def test_prompt_positions_add_their_weighted_loss_with_either_teacher(assets, tm
     assert stored["loss"] == pytest.approx(response_only["loss"] + 0.5 * stored["prompt_loss"], rel=1e-5)
 
 
+def vllm_parallel_drafting_token(hf_config: dict, num_speculative_tokens: int) -> int:
+    """What vLLM's parallel drafting reads from a draft's config.json (v1/spec_decode
+    `_init_parallel_drafting_params`, and config/speculative.py's n_predict rule), in its order."""
+    dflash = hf_config.get("dflash_config") or {}
+    if "mask_token_id" in dflash:
+        token = dflash["mask_token_id"]
+    elif hf_config.get("mask_token_id") is not None:
+        token = hf_config["mask_token_id"]
+    elif "dspark_noise_token_id" in hf_config:
+        token = hf_config["dspark_noise_token_id"]
+    elif "pard_token" in hf_config:
+        token = hf_config["pard_token"]
+    elif "ptd_token_id" in hf_config:
+        token = hf_config["ptd_token_id"]
+    else:
+        raise ValueError("For parallel drafting, the draft model config must have ... specified in its config.json.")
+    n_predict = hf_config.get("n_predict")
+    if n_predict is not None and num_speculative_tokens > n_predict and num_speculative_tokens % n_predict:
+        raise ValueError("num_speculative_tokens must be divisible by n_predict")
+    return token
+
+
 def test_a_parallel_draft_trains_exports_its_mask_and_is_measured_with_one_forward_per_step(assets, tmp_path):
     """draft.parallel_tokens=K (SPEC §7): every depth trains in one forward, the held-out tau that
     picks the weights comes from the parallel proposer, and config.json names the mask for vLLM."""
@@ -374,6 +396,9 @@ def test_a_parallel_draft_trains_exports_its_mask_and_is_measured_with_one_forwa
     assert config["pard_token"] == 1 and config["spd_type"] == "pard"
     assert config["drafttrain"]["parallel_tokens"] == 3
     assert "n_predict" not in config and "mask_token_id" not in config  # vLLM would read those first
+    token = vllm_parallel_drafting_token(config, num_speculative_tokens=3)
+    assert token == 1 and isinstance(token, int) and 0 <= token < config["vocab_size"]
+    assert config["architectures"] == ["LlamaForCausalLM"]  # a draft_model vLLM serves as it is
     initial = json.loads((out / "eval" / "initial.json").read_text())
     final = json.loads((out / "eval" / "final.json").read_text())
     for metrics in (initial, final):  # one draft forward per drafting step, not one per draft token
