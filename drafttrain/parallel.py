@@ -86,35 +86,32 @@ class ParallelLayout:
             ~self.attention_mask, torch.finfo(dtype).min)
 
     @property
-    def logits_to_keep(self) -> int:
-        """Logits from the first trained position of the real block to the end (every mask block)."""
-        return self.input_ids.shape[1] - self.start
+    def logits_to_keep(self) -> torch.Tensor:
+        """The sequence indices whose logits carry a loss (transformers' `logits_to_keep` takes
+        them as a 1-D tensor, so the LM head runs on those rows only), depth after depth: the real
+        block's window, then each mask block's positions at or after `start` (depth b's row p
+        predicts token p + 1 from x_0 .. x_{p-b})."""
+        index, offset = [], 0
+        for b, p in enumerate(self.positions):
+            rows = torch.arange(len(p), device=p.device) + offset if b else p
+            index.append(rows[p >= self.start])
+            offset += len(p) if b else self.length
+        return torch.cat(index)
 
     def _trained_positions(self) -> list[torch.Tensor]:
         return [p[p >= self.start] for p in self.positions]
 
     def rows(self) -> list[tuple[int, int]]:
-        """(depth, position) of each row of `student`."""
+        """(depth, position) of each row the model returns with `logits_to_keep`."""
         return [(b, int(p)) for b, ps in enumerate(self._trained_positions()) for p in ps]
-
-    def student(self, logits: torch.Tensor) -> torch.Tensor:
-        """The kept logits' rows that carry a loss, depth after depth: the real block's window, then
-        each mask block's positions at or after `start` (depth b's row p predicts token p + 1 from
-        x_0 .. x_{p-b})."""
-        rows, offset = [], 0
-        for p in self.positions:
-            block = logits[:, offset:offset + len(p)]
-            rows.append(block[:, p >= self.start])
-            offset += len(p)
-        return torch.cat(rows, dim=1)
 
     def repeat(self, window: torch.Tensor) -> torch.Tensor:
         """A per-position tensor of the trained window [B, W, ...] (the teacher, labels), gathered
-        for every row of `student`."""
+        for every row of the logits."""
         return torch.cat([window[:, p - self.start] for p in self._trained_positions()], dim=1)
 
     def trained(self, loss_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Which rows of `student` carry a loss: depth b's row p when position p is trained
+        """Which rows of the logits carry a loss: depth b's row p when position p is trained
         (`loss_mask`) and x_{p-b}, the last real token it drafts from, is a real token."""
         rows = []
         for b, p in enumerate(self._trained_positions()):

@@ -265,8 +265,7 @@ class DistillRecipe(Recipe):
         elif teacher is not None:
             teacher = layout.repeat(teacher)
         labels = layout.repeat(labels) if labels is not None else None
-        return (layout.student(logits), teacher, labels,
-                layout.trained(batch["loss_mask"], batch["attention_mask"]))
+        return logits, teacher, labels, layout.trained(batch["loss_mask"], batch["attention_mask"])
 
     def teacher(self, batch: dict, inputs: dict, start: int, keep: int, onpolicy: bool):
         """The target's side of the loss: nothing for ce, its stored top-k when the batch carries

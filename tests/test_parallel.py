@@ -34,7 +34,7 @@ def test_every_row_sees_exactly_what_decoding_sees(depth, keep):
     with torch.no_grad():
         logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids,
                        attention_mask=layout.additive_mask(torch.float64), logits_to_keep=layout.logits_to_keep).logits
-    student = layout.student(logits)
+    student = logits
     trained = layout.trained(batch["loss_mask"], batch["attention_mask"])
     rows = layout.rows()
     assert student.shape[1] == trained.shape[1] == len(rows)

@@ -120,7 +120,7 @@ def parallel_matches(draft, prompt: list[int], target_tokens: list[int], num_dra
     dtype = next(draft.parameters()).dtype
     logits = draft(input_ids=layout.input_ids, position_ids=layout.position_ids,
                    attention_mask=layout.additive_mask(dtype), logits_to_keep=layout.logits_to_keep).logits
-    guess = dict(zip(layout.rows(), layout.student(logits)[0].argmax(-1).tolist()))  # (depth, position) -> token
+    guess = dict(zip(layout.rows(), logits[0].argmax(-1).tolist()))  # (depth, position) -> its draft
     rows = []
     for t in range(len(target_tokens)):
         c = len(prompt) + t
