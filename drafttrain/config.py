@@ -506,6 +506,8 @@ def add_flags(parser, cls, *, drafter: bool = True, docs: dict[str, str] | None 
         else:
             shown = ",".join(map(str, default)) if meta.get("parse") and isinstance(default, list) else default
             help_text = doc if default in (None, []) else f"{doc} (default: {shown})"
+            if not repeated or meta.get("parse"):
+                kwargs["default"] = default  # args read as they are parsed hold the field's default
         if repeated and not meta.get("parse"):
             kwargs["action"] = "append"  # argparse appends to a default list: start from none
         where.add_argument(flag_name(f.name), help=help_text, **kwargs)

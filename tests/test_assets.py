@@ -392,6 +392,7 @@ def test_prompt_file_out_that_cannot_be_written_is_one_error_line(tmp_path, caps
     assert (tmp_path / "file").read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+@pytest.mark.slow
 def test_a_write_that_fails_midway_is_one_error_line(tmp_path, capsys, monkeypatch):
     import errno
 

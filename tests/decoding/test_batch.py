@@ -64,6 +64,7 @@ def test_too_long_is_a_clear_error(target):
         gen.generate(ids, mask, max_new_tokens=MAX_NEW, eos_token_ids=[2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
 def test_sampled_rows_follow_the_target_distribution(temperature, top_p):
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)

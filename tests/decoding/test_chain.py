@@ -41,6 +41,7 @@ def decoder_for(target, kind, k, engine, **kwargs):
                                     **kwargs), engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 @pytest.mark.parametrize("kind", ["none", "ngram", "random-draft", "noisy-draft", "self-draft"])
@@ -55,6 +56,7 @@ def test_greedy_equals_generate_at_length_limit(target, kind, k, engine):
         assert all(0 <= a <= m <= k for a, m in zip(gen.accepted_lengths, gen.proposed_lengths))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("kind", ["none", "ngram", "noisy-draft", "self-draft"])

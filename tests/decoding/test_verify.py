@@ -47,6 +47,7 @@ def test_verify_greedy_hand_computed():
     assert verify_greedy(torch.tensor([], dtype=torch.long), logits[:1]).tolist() == [0, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_hot", [False, True])
 def test_rejection_rule_matches_exact_enumeration(one_hot):
     g = torch.Generator().manual_seed(0)
@@ -90,6 +91,7 @@ def test_probabilities_top_p_and_temperature():
 @pytest.mark.parametrize("engine", ["eager", "static"])
 @pytest.mark.parametrize("proposer,temperature,top_p", [("draft", 1.0, 1.0), ("draft", 0.8, 0.9),
                                                         ("ngram", 1.0, 1.0)])
+@pytest.mark.slow
 def test_sampled_text_follows_target_distribution(proposer, temperature, top_p, engine):
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)
     far_draft = tiny_lm(3, vocab_size=V, sharpness=6.0)

@@ -25,6 +25,7 @@ STATIC_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (
 TREES = {"chain": "chain", "static": STATIC_TREE, "dynamic": "dynamic"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("k", [1, 3, 4])
@@ -120,6 +121,7 @@ def test_dynamic_tree_is_eagle2s_choice(trained_pair, depth, topk, nodes):
 V = 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
 def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temperature, top_p):
     """The draft knows 4 of the 6 tokens: q is 0 on the other two, and they must still come out
@@ -149,6 +151,7 @@ def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temp
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor needs a C++ compiler to build CPU kernels")
+@pytest.mark.slow
 def test_compiled_draft_steps_equal_generate_without_recompiling(trained_pair):
     """The static draft engine compiled (inductor on CPU; CUDA graphs on CUDA): warm-up compiles
     the chain's one-token step and each level of a dynamic and a static tree once, and decoding

@@ -115,6 +115,7 @@ def test_bad_config_is_one_error_line(setup, tmp_path, capsys, override, needle)
 @pytest.mark.slow
 @pytest.mark.parametrize("launch_config, shard", [("ddp.yaml", False), ("deepspeed_zero3.yaml", False),
                                                   ("deepspeed_zero3.yaml", True)])
+@pytest.mark.slow
 def test_two_processes_end_with_the_weights_of_one(setup, tmp_path, launch_config, shard):
     """Two ranks train the same draft as one process with twice the accumulation; with the target
     itself sharded (ZeRO-3, features.shard_target) too, its features and evaluations included."""

@@ -183,6 +183,7 @@ def test_ctrl_c_during_replay_is_one_line_exit_130(setup, tmp_path, capsys, monk
     assert code == 130 and stdout == "" and stderr.splitlines() == ["interrupted"]
 
 
+@pytest.mark.slow
 def test_sigint_to_a_real_process_mid_run(setup, tmp_path):
     """Ctrl-C is SIGINT to the process: exit 130, one line, no traceback, the earlier report untouched."""
     prompts = write_jsonl(tmp_path / "many.jsonl", [{"id": i, "prompt": f"w{5 + i % 50} w{9 + i % 40} w{13}"}
@@ -243,6 +244,7 @@ def test_a_report_written_into_a_new_out_during_the_run_is_kept(setup, tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["report"]  # no staging folder left behind
 
 
+@pytest.mark.slow
 def test_two_real_runs_into_one_new_out_leave_one_report_and_one_error(setup, tmp_path):
     out = tmp_path / "report"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep

@@ -272,6 +272,7 @@ def test_bad_input_is_one_error_line_and_no_report(case, models, prompt_files, t
     assert snapshot(tmp_path) == before  # nothing written, nothing of an earlier report touched
 
 
+@pytest.mark.slow
 def test_real_process_exits_2_with_an_error_line(models, prompt_files, tmp_path):
     script = Path(sys.executable).with_name("drafttrain")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "drafttrain.cli"]

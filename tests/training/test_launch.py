@@ -3,6 +3,8 @@ input is the recipe's one `error:` line and exit 2; Ctrl-C is its one line and e
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -21,6 +23,7 @@ def stderr_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip() and "%|" not in line]
 
 
+@pytest.mark.slow
 def test_bad_input_is_the_recipes_one_line_and_exit_2(assets, tmp_path):
     run = subprocess.run(launch_argv(recipe_args(assets, tmp_path / "run", "optim.lr=-1")), capture_output=True,
                          text=True, env=subprocess_env(), timeout=300, cwd=REPO)
@@ -30,6 +33,7 @@ def test_bad_input_is_the_recipes_one_line_and_exit_2(assets, tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_the_recipes_one_line_and_exit_130(assets, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(launch_argv(recipe_args(assets, out, "train.max_steps=100000", "train.eval_every=0",

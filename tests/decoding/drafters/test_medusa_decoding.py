@@ -114,6 +114,7 @@ TREES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 @pytest.mark.parametrize("tree", list(TREES))
@@ -230,6 +231,7 @@ def far_heads(target, num_heads, seed=3):
 
 
 # A one-token prompt leaves nothing for the heads to read: its first token is sampled plainly.
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["eager", "static"])
 @pytest.mark.parametrize("temperature,top_p,prompt", [(1.0, 1.0, [1, 3, 1, 3, 1]), (0.8, 0.9, [3])])
 def test_sampled_text_follows_target_distribution(temperature, top_p, prompt, engine):

@@ -33,6 +33,7 @@ def references(target):
     return {tuple(p): greedy_reference(target, p, MAX_NEW) for p in PROMPTS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["eager", "static"])
 @pytest.mark.parametrize("alpha", [0.3, 0.8])
 def test_acceptance_is_iid_alpha(target, references, alpha, engine):

@@ -66,6 +66,7 @@ def test_the_factory_builds_it_from_the_drafter_info():
     assert decoder.generate(PROMPTS[2], 12).tokens == greedy_reference(target, PROMPTS[2], 12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["eager", "static"])
 def test_sampled_text_follows_target_distribution(engine):
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)

@@ -174,6 +174,7 @@ def _inductor_available() -> bool:
     return shutil.which("g++") is not None or shutil.which("c++") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _inductor_available(), reason="inductor needs a C++ compiler to build CPU kernels")
 def test_compiled_steps_equal_generate_without_recompiling():
     """The compiled path (inductor on CPU; CUDA graphs on CUDA): warm-up compiles each bucket once,
