@@ -484,7 +484,9 @@ def add_flags(parser, cls, *, drafter: bool = True, docs: dict[str, str] | None 
             continue
         where = parser
         if meta.get("group"):
-            where = groups.setdefault(meta["group"], parser.add_mutually_exclusive_group())
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_mutually_exclusive_group()
+            where = groups[meta["group"]]
         doc = (docs or {}).get(f.name, meta["doc"]).replace("%", "%%")
         kind, repeated = _scalar_type(hints[f.name])
         if kind is bool:

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 
 def drafttrain_command() -> list[str]:
     script = Path(sys.executable).with_name("drafttrain")
@@ -44,3 +46,14 @@ def test_ctrl_c_while_torch_is_imported_is_one_line_and_exit_130(tmp_path):
     assert proc.returncode == 130, err
     assert err.splitlines() == ["interrupted"] and out == b""  # before any argument was read: the plain line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "compare", "replay", "preflight", "assets", "bench", "launch"])
+def test_every_subcommand_prints_its_help(command, capsys):
+    """Flags are generated from the settings dataclasses: --help must render every one of them."""
+    from drafttrain.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    assert "usage: drafttrain " + command in capsys.readouterr().out
