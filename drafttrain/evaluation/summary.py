@@ -47,11 +47,11 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[PromptResult], probe: EncodedPrompt,
                  engine: dict) -> dict:
     k = 0 if cfg.drafter_kind == "none" else decoder.num_draft_tokens
+    parallel = parallel_info(models.draft.config) if models.draft is not None else None
     cost = None
     if k:
         cost = 0.0  # n-gram lookup and heads cost next to nothing beside a target forward
         target_lm = models.target_lm or as_cached_lm(models.target)
-        parallel = parallel_info(models.draft.config) if models.draft is not None else None
         if parallel:  # one forward of the last token and K-1 masks per step, spread over its K drafts
             step = probe.ids[-1:] + [parallel["pard_token"]] * (k - 1)
             cost = (forward_seconds(models.draft_lm or as_cached_lm(models.draft), probe.ids, step)
@@ -85,8 +85,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
         "engine": dict(engine),
         **({"heads": models.heads_info} if models.heads_info else {}),
         **({"eagle3": models.eagle3_info} if models.eagle3_info else {}),
-        **({"parallel_draft": parallel_info(models.draft.config)}
-           if models.draft is not None and parallel_info(models.draft.config) else {}),
+        **({"parallel_draft": parallel} if parallel else {}),
         "overall": overall,
         "by_category": metrics_by_category(results, k, cfg.greedy, **kwargs),
     }
