@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ...eagle3.model import DraftStep, Eagle3Config, Eagle3Draft
-from ..engines import device_tensor, synchronize
+from ..engines import device_tensor, synchronize, use_skinny_matmuls
 from ..engines.compiled import WARMUP_RUNS, CompiledStep
 
 
@@ -123,6 +123,7 @@ class CachedEagle3Draft:
         self.draft = draft
         self.engine = engine
         self.device = next(draft.parameters()).device
+        use_skinny_matmuls(draft)
         if engine == "static":
             if not capacity or capacity < 1:
                 raise ValueError("the static draft engine needs a capacity")

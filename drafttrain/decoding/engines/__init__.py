@@ -2,6 +2,7 @@
 
 - `base`: the cached-LM interface every decoder uses, the only way it touches a model;
 - `eager`: the model's own forward on transformers' DynamicCache (the reference, any model);
+- `matmul`: few-row linear layers on CPU taken as `W · xᵀ` (both engines install it);
 - `static`: a preallocated cache and fixed-shape compiled steps (`compiled`, CUDA graphs on CUDA).
 
 A new architecture for the static engine goes in `static.py` (`static_support` and its step).
@@ -13,6 +14,7 @@ from __future__ import annotations
 from ...errors import UserError
 from .base import CachedLM, device_tensor, synchronize
 from .eager import EagerLM
+from .matmul import use_skinny_matmuls
 from .static import StaticLM, static_support
 
 ENGINES = ("auto", "eager", "static")
@@ -52,4 +54,4 @@ def as_cached_lm(target) -> CachedLM:
 
 
 __all__ = ["ENGINES", "CachedLM", "EagerLM", "StaticLM", "as_cached_lm", "cached_lm", "device_tensor", "resolve_engine",
-           "static_support", "synchronize"]
+           "static_support", "synchronize", "use_skinny_matmuls"]

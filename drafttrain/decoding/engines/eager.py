@@ -12,6 +12,7 @@ import torch
 from ...errors import UserError
 from ...trees import Tree
 from .base import CachedLM, select_hidden
+from .matmul import use_skinny_matmuls
 
 MASKABLE_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
 
@@ -22,6 +23,7 @@ class EagerLM(CachedLM):
     def __init__(self, model, *, max_length: int | None = None):
         self.model = model
         self.device = next(model.parameters()).device
+        use_skinny_matmuls(model)
         self.max_length = max_length
         self.cache = None
         self.length = 0  # tokens held in the cache

@@ -38,6 +38,7 @@ from ...models import is_sharded_module
 from ...trees import Tree
 from .base import CachedLM, device_tensor, synchronize
 from .compiled import WARMUP_RUNS, CompiledStep
+from .matmul import use_skinny_matmuls
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
@@ -180,6 +181,7 @@ class StaticLM(CachedLM):
             raise UserError(f"--engine static: {reason}; use --engine eager")
         self.model = model
         self.device = next(model.parameters()).device
+        use_skinny_matmuls(model)
         self.max_length = max_length
         self.batch_size = batch_size
         capacity = -(-max_length // 16) * 16  # aligned rows suit the fused attention kernels

@@ -1,0 +1,45 @@
+"""Decode-time linear layers on CPU: `W · xᵀ` instead of `x · Wᵀ` for a few rows.
+
+Speculative decoding lives on forwards of 2 .. K+1 tokens, so its speedup is set by how much
+more such a forward costs than a 1-token one. On CPU, PyTorch's `F.linear(x, W)` for a few rows
+calls a BLAS GEMM whose small-M kernels (MKL on the AMD EPYC of our 2-core machines) cost about
+twice the 1-row GEMV: a 4-token SmolLM2-135M forward took 1.6× a 1-token one, and the draft's
+49152-row LM head 2.5×. The same product taken as `mm(W, xᵀ)` (weights as the left operand, the
+rows as a narrow right-hand side) streams the weights once, as the GEMV does, so a few rows cost
+little more than one: the 4-token forward fell to 1.2× and the draft's to 1.1× (in-process,
+interleaved medians; `drafttrain bench` measures the curve on any machine).
+
+The result is the same product up to float rounding; baseline and speculative decoding run the
+same model, so they share it (each report's `match baseline` checks equality). Only rows up to
+`MAX_ROWS` take this path; prefill keeps the BLAS GEMM, which is right for many rows. Installed
+by the engines on CPU models only; GPUs are untouched.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+MAX_ROWS = 16
+
+
+def _skinny_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 0 < rows <= MAX_ROWS:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def use_skinny_matmuls(model: torch.nn.Module) -> None:
+    """Give every `nn.Linear` of a CPU model (float32/float64) the few-rows path. Idempotent."""
+    for module in model.modules():
+        if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
+                and module.weight.dtype in (torch.float32, torch.float64) and "forward" not in module.__dict__):
+            module.forward = types.MethodType(_skinny_linear, module)
+
+
+__all__ = ["MAX_ROWS", "use_skinny_matmuls"]
