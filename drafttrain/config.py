@@ -102,7 +102,7 @@ def check_settings(obj, label=lambda key: key, prefix: str = "") -> None:
         choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
         if choices and value not in choices:
             raise UserError(f"unknown {label(key)} {value!r}; use one of {', '.join(map(str, choices))}")
-        if bounds:
+        if bounds and not (value == "auto" and f.metadata.get("auto")):
             values = value if isinstance(value, (list, tuple)) else [value]
             bad = next((v for v in values if not _within(v, bounds)), None)
             if bad is not None or (isinstance(value, float) and value != value):

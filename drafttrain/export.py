@@ -82,9 +82,21 @@ def read_export_config(path: Path, what: str, written_by: str, expected: str, re
     return cfg
 
 
+RECORD = "drafttrain.json"  # beside an exported draft: what drafttrain measured of it (SPEC §7)
+
+
+def held_out_record(metrics: dict, prompts: int) -> dict:
+    """The draft's held-out acceptance as `drafttrain.json` keeps it: what `--num-draft-tokens auto`
+    plans from when no calibration prompts are given (never the prompts being evaluated)."""
+    return {"held_out": {"prompts": prompts, "num_draft_tokens": metrics["num_draft_tokens"], "tau": metrics["tau"],
+                         "per_position_acceptance": list(metrics["per_position_acceptance"])}}
+
+
 def export_draft(model, tokenizer, out_dir: str | os.PathLike, *, eos_token_id: int | list[int],
-                 acceptance_table: list[dict] | None = None, base_info: dict | None = None) -> Path:
-    """Write `model` + the *target's* `tokenizer` to `out_dir`, replacing it atomically."""
+                 acceptance_table: list[dict] | None = None, base_info: dict | None = None,
+                 record: dict | None = None) -> Path:
+    """Write `model` + the *target's* `tokenizer` to `out_dir`, replacing it atomically; `record`
+    (`held_out_record`) becomes its `drafttrain.json`."""
     eos = _check_eos(eos_token_id, model)
     rows = _embedding_rows(model)
     if rows is not None and len(tokenizer) > rows:
@@ -104,6 +116,8 @@ def export_draft(model, tokenizer, out_dir: str | os.PathLike, *, eos_token_id: 
 
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(model, tokenizer, out_dir, acceptance_table, base_info))
+        if record is not None:
+            (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
 
 

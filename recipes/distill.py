@@ -40,7 +40,7 @@ from drafttrain.data.collate import TrainingCollator
 from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings, Drafter
 from drafttrain.draft_init import draft_from_target
 from drafttrain.errors import UserError
-from drafttrain.export import export_draft
+from drafttrain.export import export_draft, held_out_record
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
 from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
@@ -296,7 +296,8 @@ class DistillRecipe(Recipe):
                      eos_token_id=self.export_eos, acceptance_table=rows,
                      base_info={**self.card_info, "loss": cfg.loss.kind, "training steps": result.step,
                                 "exported weights": f"step {result.best_step} ({chosen})",
-                                "held-out prompts": len(self.prompts)})
+                                "held-out prompts": len(self.prompts)},
+                     record=held_out_record(final, len(self.prompts)))
 
     @property
     def export_eos(self) -> int | list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
 
 LAYERS = [
-    {"__init__", "errors", "fileio", "config", "home", "tokens", "trees"},              # basics
+    {"__init__", "errors", "fileio", "config", "home", "tokens", "trees", "planning"},  # basics
     {"models", "prompts", "draft_init", "export", "medusa", "eagle3", "parallel", "corpus", "preflight", "assets"},
     {"decoding"},                                                                       # decoders
     {"evaluation", "bench"},                                                            # eval, compare, bench

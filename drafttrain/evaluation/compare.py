@@ -70,7 +70,9 @@ def comparison_rows(evaluations: list[Evaluation]) -> list[dict]:
     for e in evaluations:
         o = e.report["overall"]
         p = o.get("predicted") or {}
-        rows.append({"drafter": e.report["drafter"], "tau": o["mean_accepted_length"],
+        plan = e.report.get("plan") or {}
+        rows.append({"drafter": e.report["drafter"], "num_draft_tokens": e.report["config"]["num_draft_tokens"],
+                     "planned_speedup": plan.get("planned_speedup"), "tau": o["mean_accepted_length"],
                      "acceptance_rate": o["acceptance_rate"], "alpha": p.get("alpha"),
                      "speculative_tokens_per_s": o["speculative_tokens_per_s"],
                      "baseline_tokens_per_s": o["baseline_tokens_per_s"], "speedup": o["speedup"],
@@ -99,25 +101,28 @@ def comparison_figures(rows: list[dict], sub: str) -> dict[str, object]:
 
 
 # (column, row key, digits) of the comparison table
-COMPARISON_COLUMNS = [("drafter", "drafter", None), ("tau", "tau", 3), ("acceptance", "acceptance_rate", 3),
+COMPARISON_COLUMNS = [("drafter", "drafter", None), ("K", "num_draft_tokens", None), ("tau", "tau", 3), ("acceptance", "acceptance_rate", 3),
                       ("alpha", "alpha", 3), ("tok/s", "speculative_tokens_per_s", 1),
                       ("baseline tok/s", "baseline_tokens_per_s", 1), ("speedup", "speedup", 2),
                       ("predicted", "predicted_speedup", 2), ("efficiency", "efficiency", 2),
                       ("match baseline", "outputs_match_baseline", 2)]
+PLAN_COLUMN = ("planned (auto)", "planned_speedup", 2)  # with --num-draft-tokens auto
 
 
 def render_comparison(rows: list[dict], first: dict, figures: dict) -> str:
     cfg, env = first["config"], first["environment"]
-    facts = [f"Target `{cfg['target']}`", f"{len(rows)} drafters", f"K={cfg['num_draft_tokens']}",
+    planned = any(r["planned_speedup"] is not None for r in rows)
+    k = "K planned per drafter (--num-draft-tokens auto)" if planned else f"K={cfg['num_draft_tokens']}"
+    facts = [f"Target `{cfg['target']}`", f"{len(rows)} drafters", k,
              f"temperature {cfg['temperature']}", f"max new tokens {cfg['max_new_tokens']}",
              f"{first['overall']['prompts']} prompts from {', '.join(cfg['prompts'])} (limit {cfg['limit']})",
              f"dtype {first['numerics']['dtype']}", f"on {env['device']}"]
     lines = ["# Drafter comparison", "",
              ", ".join(facts) + ". One process: each prompt is decoded by the target alone, then by every drafter; "
              "speedups share that baseline. Predicted speedup and efficiency: see each drafter's report.", ""]
-    lines += markdown_table([c for c, _, _ in COMPARISON_COLUMNS],
-                            [[r["drafter"], *(_fmt(r[key], digits) for _, key, digits in COMPARISON_COLUMNS[1:])]
-                             for r in rows])
+    columns = COMPARISON_COLUMNS[:8] + [PLAN_COLUMN] * planned + COMPARISON_COLUMNS[8:]
+    lines += markdown_table([c for c, _, _ in columns],
+                            [[r["drafter"], *(_fmt(r[key], digits) for _, key, digits in columns[1:])] for r in rows])
     diverged = [r for r in rows if r["divergences"]]
     if diverged:
         num = first["numerics"]

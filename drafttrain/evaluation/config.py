@@ -15,8 +15,14 @@ from ..decoding import NUM_DRAFT_TOKENS, DecodeSettings
 from ..errors import UserError
 from ..trees import TREE_CHOICES, read_tree_file
 
+def int_or_auto(text: str) -> int | str:
+    """A flag's K: an integer, or "auto"."""
+    return "auto" if text == "auto" else int(text)
+
+
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 ENGINE_CHOICES = ("auto", "eager", "static")
+PLAN_MAX_K = 6  # the deepest K that --num-draft-tokens auto considers (and calibration drafts)
 
 
 @dataclass(kw_only=True)
@@ -41,8 +47,14 @@ class EvalConfig:
                                "directory's name, else the method).", drafter=True)
     limit: int | None = setting(None, "At most N prompts from each prompt file (unset: all).", metavar="N",
                                 at_least=1)
-    num_draft_tokens: int = setting(NUM_DRAFT_TOKENS, "K: draft tokens per verification step (Medusa heads: the "
-                                    "tree's depth cap).", metavar="K", at_least=1)
+    num_draft_tokens: int | str = setting(
+        NUM_DRAFT_TOKENS, "K: draft tokens per verification step (Medusa heads: the tree's depth cap), or auto: "
+        "the K (0 = the target alone) that this machine's measured costs and the drafter's acceptance on other "
+        "prompts favour (drafttrain.planning).", metavar="K|auto", at_least=1, parse=int_or_auto, auto=True)
+    calibration_prompts: str | None = setting(
+        None, "With --num-draft-tokens auto: a JSONL prompt file (not the evaluated prompts) whose first prompts "
+        "measure the drafter's acceptance; without it, the acceptance its export recorded (drafttrain.json).",
+        metavar="FILE")
     temperature: float = setting(0.0, "Sampling temperature; 0 is greedy decoding.", at_least=0)
     top_p: float = setting(1.0, "Nucleus sampling: keep the smallest set of tokens with this much probability.",
                            above=0, at_most=1)
@@ -82,15 +94,29 @@ class EvalConfig:
             raise UserError("no prompt file given; pass --prompts FILE")
         if self.temperature == math.inf:
             raise UserError("--temperature must be finite (0 = greedy)")
+        if self.calibration_prompts and self.num_draft_tokens != "auto":
+            raise UserError("--calibration-prompts measures acceptance for --num-draft-tokens auto; add it, or leave "
+                            "--calibration-prompts out")
+        if self.calibration_prompts and self.calibration_prompts in self.prompts:
+            raise UserError(f"--calibration-prompts {self.calibration_prompts} is also an evaluated prompt file; a plan "
+                            "fitted to the evaluated prompts is no plan: give other prompts")
         if self.tree not in TREE_CHOICES:
             read_tree_file(self.tree)
         if self.tree == "dynamic" and self.heads:
             raise UserError("--tree dynamic grows a tree with an EAGLE-3 draft; Medusa heads use auto, default, chain "
                             "or a tree file")
 
-    def decode_settings(self, *, generator=None, record_margins: bool = False) -> DecodeSettings:
-        """What the decoder factory needs of these settings."""
-        return DecodeSettings(num_draft_tokens=self.num_draft_tokens, temperature=self.temperature, top_p=self.top_p,
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts a step of this run may hold: K, or the deepest K a plan considers."""
+        return PLAN_MAX_K if self.num_draft_tokens == "auto" else self.num_draft_tokens
+
+    def decode_settings(self, *, generator=None, record_margins: bool = False, k: int | None = None) -> DecodeSettings:
+        """What the decoder factory needs of these settings; `k` overrides K (an `auto` K is resolved
+        by `evaluation.plan` before decoding)."""
+        if k is None and self.num_draft_tokens == "auto":
+            raise ValueError("--num-draft-tokens auto is resolved by evaluation.plan before decoding")
+        return DecodeSettings(num_draft_tokens=self.num_draft_tokens if k is None else k, temperature=self.temperature, top_p=self.top_p,
                               generator=generator, record_margins=record_margins, tree=self.tree,
                               tree_nodes=self.tree_nodes, tree_topk=self.tree_topk, ngram_max=self.ngram_max)
 

@@ -73,3 +73,24 @@ def eagle3_step_seconds(draft: Eagle3Draft | CachedEagle3Draft, target_lm: Cache
         times.append(time.perf_counter() - start)
         state.cache.rollback(state.length - 1)
     return median(times[2:])
+
+
+def forward_curve(lm: CachedLM, prompt: list[int], sizes: int, repeats: int = 7) -> list[list[float]]:
+    """Seconds of cached forwards of 1 .. `sizes` tokens after prompt[:-1]: `repeats` rounds, the
+    sizes interleaved within each round, so a machine slowing down mid-measurement hits every
+    size alike. One list of repeat timings per size (after one warm-up round)."""
+    lm.warmup(list(range(1, sizes + 1)))
+    lm.reset()
+    lm.forward(device_tensor(prompt[:-1], lm.device))
+    steps = [device_tensor((prompt[-1:] * sizes)[:n], lm.device) for n in range(1, sizes + 1)]
+    times: list[list[float]] = [[] for _ in steps]
+    for round_ in range(repeats + 1):
+        for n, step in enumerate(steps, start=1):
+            synchronize(lm.device)
+            start = time.perf_counter()
+            lm.forward(step)
+            synchronize(lm.device)
+            if round_:
+                times[n - 1].append(time.perf_counter() - start)
+            lm.rollback(lm.length - n)
+    return times

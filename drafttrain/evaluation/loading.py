@@ -148,13 +148,13 @@ def bind_engine(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: lis
     engine cannot run stays eager); an explicit `static` on an unsupported model is an error."""
     first = cfgs[0]
     max_length = (max(len(p.ids) for p in prompts) + first.max_new_tokens
-                  + max(max_step_tokens(m.drafter(cfg.drafter_kind), cfg.decode_settings()) for cfg, m in zip(cfgs, models)))
+                  + max(max_step_tokens(m.drafter(cfg.drafter_kind), cfg.decode_settings(k=cfg.max_draft_tokens)) for cfg, m in zip(cfgs, models)))
     target_lm = cached_lm(models[0].target, first.engine, max_length=max_length)
     for cfg, m in zip(cfgs, models):
         m.target_lm = target_lm
         if m.draft is not None:
             m.draft_lm = cached_lm(m.draft, cfg.engine, max_length=max_length)
         if m.eagle3 is not None:  # the draft layer follows the target: static (compiled) beside static
-            m.eagle3_lm = cached_draft_for(target_lm, m.eagle3, num_draft_tokens=cfg.num_draft_tokens,
+            m.eagle3_lm = cached_draft_for(target_lm, m.eagle3, num_draft_tokens=cfg.max_draft_tokens,
                                                tree_nodes=cfg.tree_nodes, tree_topk=cfg.tree_topk)
     return target_lm.engine

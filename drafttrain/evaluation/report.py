@@ -280,6 +280,7 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
             predicted_table(categories_shown(report)),
             "",
         ]
+    lines += plan_section(report.get("plan"))
     lat_s, lat_b = overall.get("speculative_token_latency_ms"), overall.get("baseline_token_latency_ms")
     lines += ["## Per-token latency (ms)", "", "| | p50 | p90 | p99 |", "|---|---|---|---|"]
     for name, lat in (("speculative", lat_s), ("baseline", lat_b)):
@@ -300,6 +301,31 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
     if "speedup_by_category.png" in figures:
         lines += ["", "## Speedup by category", "", "![speedup by category](speedup_by_category.png)"]
     return "\n".join(lines) + "\n"
+
+
+def plan_section(plan: dict | None) -> list[str]:
+    """The report's account of `--num-draft-tokens auto`: the costs measured, each K's planned
+    speedup, the K chosen, and how the plan compares with the measured speedup."""
+    if not plan:
+        return []
+    costs = plan["costs"]
+    ms = lambda xs: " / ".join(f"{x * 1e3:.1f}" for x in xs)  # noqa: E731
+    chosen = plan["num_draft_tokens"]
+    lines = ["## Plan (--num-draft-tokens auto)", "",
+             f"K = {chosen}" + (" (no speculation: the target alone)" if chosen == 0 else "")
+             + f", planned speedup {_fmt(plan['planned_speedup'], 2)}, measured {_fmt(plan.get('measured_speedup'), 2)}. "
+             f"Acceptance: {plan['source']}. Costs measured on this machine before timing "
+             f"({_fmt(plan.get('seconds'), 1)} s, not in tokens/s): target forward of 1 .. {len(costs['verify_seconds'])} "
+             f"tokens {ms(costs['verify_seconds'])} ms; the drafter's step for K = 0 .. "
+             f"{len(costs['draft_seconds']) - 1}: {ms(costs['draft_seconds'])} ms; loop overhead "
+             f"{costs['overhead_seconds'] * 1e3:.1f} ms a step (model: `drafttrain.planning`).", "",
+             "| K | expected tokens/step | planned speedup |", "|---|---|---|"]
+    lines += [f"| {c['num_draft_tokens']}{' (chosen)' if c['num_draft_tokens'] == chosen else ''} | "
+              f"{_fmt(c['expected_tokens'])} | {_fmt(c['planned_speedup'], 2)} |" for c in plan["candidates"]]
+    if plan.get("noise"):
+        lines += ["", "**The cost measurement looked like a busy machine** (" + "; ".join(plan["noise"])
+                  + "): the plan may be made from noise; measure alone."]
+    return lines + [""]
 
 
 def _heads_note(info: dict | None) -> list[str]:

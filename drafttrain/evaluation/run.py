@@ -2,7 +2,7 @@
 target alone, interleaved and timed in one process, summed up as a report dict.
 
 The story: check the inputs (`check_inputs`), load the models (`loading`), bind them to their
-engines, build every decoder with the one factory (`make_decoder` -> `decoding.build_decoder`),
+engines, plan each `auto` drafter's K from measured costs (`plan`), build every decoder with the one factory (`make_decoder` -> `decoding.build_decoder`),
 compile and warm up, decode each prompt with the target alone and then with each drafter, and
 sum up (`summary.build_report`). Compile and warm-up time is reported on its own, never in tokens/s.
 """
@@ -25,6 +25,7 @@ from .costs import timed_generate
 from .loading import LoadedModels, attach_drafter, bind_engine, load_models
 from .metrics import PromptResult, defects
 from .outputs import prepare_output_dir, staged_output
+from .plan import calibration_prompts, resolve_plans
 from .report import prompt_digest, write_report
 from .summary import build_report
 
@@ -38,7 +39,7 @@ def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = Fals
         generator = torch.Generator(device=models.device).manual_seed(cfg.seed + seed_offset)
     settings = dataclasses.replace(cfg.decode_settings(generator=generator, record_margins=record_margins),
                                    eos_token_ids=frozenset(models.eos))
-    drafter = models.drafter("none" if baseline else cfg.drafter_kind)
+    drafter = models.drafter("none" if baseline or cfg.num_draft_tokens == 0 else cfg.drafter_kind)
     return build_decoder(models.target_lm or models.target, drafter, settings)
 
 
@@ -107,7 +108,10 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     loaded = models[0]
     prompts = encode_prompts(read_prompts(first.prompts, first.limit), loaded.tokenizer,
                              max_new_tokens=first.max_new_tokens, context_limit=context_length(loaded.target))
-    engine_used = bind_engine(cfgs, models, prompts)
+    calibration = calibration_prompts(first, loaded.tokenizer, context_length(loaded.target))
+    engine_used = bind_engine(cfgs, models, prompts + calibration)
+    cfgs, plans = resolve_plans(cfgs, models, prompts[0], calibration)  # --num-draft-tokens auto: K from costs
+    first = cfgs[0]
     torch.manual_seed(first.seed)
     if loaded.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(loaded.device)
@@ -148,8 +152,8 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     drafts = {m.draft_lm.engine for m in models if m.draft_lm is not None}
     if drafts - {engine_used}:
         engine["draft_engines"] = sorted(drafts)
-    return [Evaluation(cfg, build_report(cfg, m, decoder, rs, prompts[0], engine), rs)
-            for cfg, m, decoder, rs in zip(cfgs, models, decoders, results)]
+    return [Evaluation(cfg, build_report(cfg, m, decoder, rs, prompts[0], engine, plan), rs)
+            for cfg, m, decoder, rs, plan in zip(cfgs, models, decoders, results, plans)]
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True, decoder_factory: DecoderFactory | None = None) -> Evaluation:

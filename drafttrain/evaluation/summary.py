@@ -45,7 +45,7 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[PromptResult], probe: EncodedPrompt,
-                 engine: dict) -> dict:
+                 engine: dict, plan: dict | None = None) -> dict:
     k = 0 if cfg.drafter_kind == "none" else decoder.num_draft_tokens
     parallel = parallel_info(models.draft.config) if models.draft is not None else None
     cost = None
@@ -86,6 +86,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
         **({"heads": models.heads_info} if models.heads_info else {}),
         **({"eagle3": models.eagle3_info} if models.eagle3_info else {}),
         **({"parallel_draft": parallel} if parallel else {}),
+        **({"plan": {**plan, "measured_speedup": overall.get("speedup")}} if plan else {}),
         "overall": overall,
         "by_category": metrics_by_category(results, k, cfg.greedy, **kwargs),
     }

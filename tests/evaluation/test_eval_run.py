@@ -491,7 +491,7 @@ def test_help_shows_every_default(command, capsys):
         elif action.default is not None:
             assert f"(default: {action.default})" in text, action.dest
     if command != "replay":
-        assert "--num-draft-tokens K K: draft tokens per verification step" in text and "(default: 4)" in text
+        assert "--num-draft-tokens K|auto K: draft tokens per verification step" in text and "(default: 4)" in text
 
 
 def test_one_category_report_has_no_overall_vs_category_pair(models, tmp_path):

@@ -185,6 +185,11 @@ def test_distillation_raises_acceptance_on_held_out_prompts(distilled, assets):
     card = (distilled / "final" / "README.md").read_text()
     assert f"| initial (before training) | {cfg.eval.num_draft_tokens} | {initial['tau']:.2f} |" in card
     assert f"| final (step {final['step']}) | {cfg.eval.num_draft_tokens} | {final['tau']:.2f} |" in card
+    # The export records that held-out acceptance for --num-draft-tokens auto (drafttrain.json).
+    record = json.loads((distilled / "final" / "drafttrain.json").read_text())["held_out"]
+    assert record["per_position_acceptance"] == final["per_position_acceptance"]
+    assert (record["tau"], record["num_draft_tokens"], record["prompts"]) == (final["tau"], cfg.eval.num_draft_tokens,
+                                                                             cfg.eval.num_prompts)
     # The best-tau evaluation is what was exported.
     log = [json.loads(line) for line in (distilled / "train_log.jsonl").read_text().splitlines()]
     evals = [e for e in log if e["type"] == "eval"]

@@ -9,6 +9,10 @@ rows as a narrow right-hand side) streams the weights once, as the GEMV does, so
 little more than one: the 4-token forward fell to 1.2× and the draft's to 1.1× (in-process,
 interleaved medians; `drafttrain bench` measures the curve on any machine).
 
+MKL's narrow kernel for exactly 3 columns is slower than its 4-column one (SmolLM2, 2 cores:
+3 tokens 118 ms, 4 tokens 96 ms), so 3 rows are padded to 4 (`PADDED_ROWS`): a verification
+of 2 drafts then costs what one of 3 does.
+
 The result is the same product up to float rounding; baseline and speculative decoding run the
 same model, so they share it (each report's `match baseline` checks equality). Only rows up to
 `MAX_ROWS` take this path; prefill keeps the BLAS GEMM, which is right for many rows. Installed
@@ -22,13 +26,18 @@ import types
 import torch
 
 MAX_ROWS = 16
+PADDED_ROWS = {3: 4}  # rows -> the width that computes them faster (zero rows added, dropped after)
 
 
 def _skinny_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 0 < rows <= MAX_ROWS:
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
+    flat = x.reshape(rows, x.shape[-1])
+    width = PADDED_ROWS.get(rows, rows)
+    if width > rows:
+        flat = torch.cat([flat, flat.new_zeros(width - rows, flat.shape[1])])
+    y = torch.mm(self.weight, flat.t()).t()[:rows]
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], self.weight.shape[0])

@@ -7,7 +7,7 @@ from drafttrain.decoding.engines import use_skinny_matmuls
 from drafttrain.decoding.engines.matmul import MAX_ROWS
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 24), (1, 5, 24), (2, 3, 24), (MAX_ROWS, 24), (1, MAX_ROWS + 1, 24), (0, 24)])
+@pytest.mark.parametrize("shape", [(1, 1, 24), (1, 3, 24), (3, 24), (1, 5, 24), (2, 3, 24), (MAX_ROWS, 24), (1, MAX_ROWS + 1, 24), (0, 24)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_skinny_product_equals_linear(shape, bias):
     torch.manual_seed(0)
