@@ -59,23 +59,33 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
     return 1.0 + sum(acceptance[:k])
 
 
-def step_seconds(costs: Costs, k: int, proposal_rates: list[float] | None = None) -> float:
+def interpolate(curve: tuple[float, ...], tokens: float) -> float:
+    """A cost curve (index n - 1: n tokens) at a fractional number of tokens, linear between sizes."""
+    tokens = min(max(tokens, 1.0), float(len(curve)))
+    low = int(tokens)
+    high = min(low + 1, len(curve))
+    return curve[low - 1] + (curve[high - 1] - curve[low - 1]) * (tokens - low)
+
+
+def step_seconds(costs: Costs, k: int, proposal_rates: list[float] | None = None, extra_tokens: float = 0.0) -> float:
     """One step's cost with K drafts. `proposal_rates[j]`: how often the drafter proposes at least
     j + 1 tokens (1 for model drafters, which always propose K; n-gram lookup often proposes
-    fewer, and the target then verifies fewer)."""
+    fewer, and the target then verifies fewer). `extra_tokens`: tokens verified beside the K
+    drafts on average (a hybrid's n-gram branch)."""
     if k == 0:
         return costs.verify[0] + costs.overhead
     if proposal_rates is None:
-        return costs.verify[k] + costs.draft[k] + costs.overhead
+        return interpolate(costs.verify, k + 1 + extra_tokens) + costs.draft[k] + costs.overhead
     at_least = [1.0, *proposal_rates[:k], 0.0]  # P(proposes >= n), n = 0 .. k + 1
     verify = sum((at_least[n] - at_least[n + 1]) * costs.verify[n] for n in range(k + 1))
     return verify + costs.draft[k] + costs.overhead
 
 
 def plan_chain(acceptance: list[float], costs: Costs, proposal_rates: list[float] | None = None,
-               max_k: int | None = None) -> Plan:
+               max_k: int | None = None, extra_tokens: float = 0.0) -> Plan:
     """The K in 0 .. max_k (default: the deepest position both acceptance and costs cover) with
-    the most expected tokens per second; ties go to the smaller K."""
+    the most expected tokens per second; ties go to the smaller K. `extra_tokens`: a hybrid's
+    n-gram nodes per step at the deepest K (scaled down with K)."""
     deepest = min(len(acceptance), len(costs.draft) - 1, len(costs.verify) - 1)
     if proposal_rates is not None:
         deepest = min(deepest, len(proposal_rates))
@@ -84,7 +94,8 @@ def plan_chain(acceptance: list[float], costs: Costs, proposal_rates: list[float
     candidates = []
     for k in range(max_k + 1):
         e = expected_tokens(acceptance, k)
-        candidates.append((k, e, e * plain / step_seconds(costs, k, proposal_rates)))
+        extra = extra_tokens * k / max(max_k, 1)
+        candidates.append((k, e, e * plain / step_seconds(costs, k, proposal_rates, extra)))
     best = max(candidates, key=lambda c: (round(c[2], 12), -c[0]))
     return Plan(best[0], best[1], best[2], tuple(candidates))
 
@@ -106,4 +117,4 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
     return out
 
 
-__all__ = ["Costs", "Plan", "expected_tokens", "noisy", "plan_chain", "step_seconds"]
+__all__ = ["Costs", "Plan", "expected_tokens", "interpolate", "noisy", "plan_chain", "step_seconds"]

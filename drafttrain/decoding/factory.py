@@ -14,16 +14,19 @@ import torch
 
 from ..tokens import output_vocab_size
 from ..trees import resolve_tree
-from .chain import ChainDecoder, NoProposer
+from .chain import ChainDecoder, NoProposer, Proposer
 from .drafters.draft_lm import DraftModelProposer
 from .drafters.eagle3 import eagle3_decoder
+from .drafters.hybrid import HybridDrafter
 from .drafters.medusa import medusa_decoder
 from .drafters.ngram import NgramProposer
 from .drafters.oracle import OracleProposer
 from .drafters.parallel_lm import ParallelDraftProposer
 from .engines import CachedLM, as_cached_lm
 from .loop import Decoder
+from .tree import TreeDecoder
 
+HYBRID_KINDS = ("draft", "parallel_draft")  # drafters that take +ngram
 NUM_DRAFT_TOKENS = 4  # K, the default of every entry point that decodes (eval, compare, replay, bench, recipes)
 
 
@@ -41,6 +44,7 @@ class DecodeSettings:
     tree_nodes: int = 32              # EAGLE-3 dynamic tree: nodes per step, pending included
     tree_topk: int = 4                # EAGLE-3 dynamic tree: nodes expanded per depth
     ngram_max: int = 3                # n-gram drafting: the longest suffix looked up
+    ngram_hybrid: bool = False        # +ngram: a draft LM's chain and n-gram lookup's, verified as one tree
 
 
 @dataclass
@@ -72,6 +76,8 @@ def tree_choice(drafter: Drafter, s: DecodeSettings) -> tuple[str, list | str] |
 
 def tree_name(drafter: Drafter, s: DecodeSettings) -> str | None:
     """The report's name of the tree or chain a tree-capable drafter verifies; None for chain drafters."""
+    if s.ngram_hybrid:
+        return f"model chain + n-gram chain (at most {2 * s.num_draft_tokens + 1} nodes)"
     tree = tree_choice(drafter, s)
     if tree is not None:
         return tree[0]
@@ -82,6 +88,8 @@ def tree_name(drafter: Drafter, s: DecodeSettings) -> str | None:
 
 def max_step_tokens(drafter: Drafter, s: DecodeSettings) -> int:
     """The most tokens one verification step adds to the target's cache: K + 1, or a tree's nodes."""
+    if s.ngram_hybrid:
+        return 2 * s.num_draft_tokens + 1
     tree = tree_choice(drafter, s)
     paths = [] if tree is None or tree[1] == "dynamic" else tree[1]
     if drafter.kind == "eagle3":  # any tree the draft may grow: its cache is sized once per run
@@ -99,15 +107,21 @@ def _plain(target, drafter, s):
     return _chain(target, NoProposer(target.device), s, k=0)
 
 
-def _draft_lm(target, drafter, s):
+def _draft_proposer(target, drafter, s) -> Proposer:
+    """A draft LM's chain proposer: sequential, or parallel (one forward) when it has a pard_token."""
     vocab = output_vocab_size(target.model)
-    return _chain(target, DraftModelProposer(drafter.model, vocab, s.temperature, s.top_p, s.generator), s)
-
-
-def _parallel_draft(target, drafter, s):
-    vocab = output_vocab_size(target.model)
-    proposer = ParallelDraftProposer(drafter.model, vocab, drafter.info["pard_token"], s.temperature, s.top_p,
+    if drafter.kind == "parallel_draft":
+        return ParallelDraftProposer(drafter.model, vocab, drafter.info["pard_token"], s.temperature, s.top_p,
                                      s.generator, parallel_tokens=drafter.info.get("parallel_tokens"))
+    return DraftModelProposer(drafter.model, vocab, s.temperature, s.top_p, s.generator)
+
+
+def _draft_lm(target, drafter, s):
+    proposer = _draft_proposer(target, drafter, s)
+    if s.ngram_hybrid:  # +ngram: the model's chain and the lookup's, one two-branch tree per step
+        hybrid = HybridDrafter(proposer, NgramProposer(target.device, max_ngram=s.ngram_max), s.num_draft_tokens,
+                               target.device)
+        return TreeDecoder(target, hybrid, eos_token_ids=s.eos_token_ids, record_margins=s.record_margins)
     return _chain(target, proposer, s)
 
 
@@ -138,7 +152,7 @@ def _eagle3(target, drafter, s):
 DRAFTERS: dict[str, Callable[[CachedLM, Drafter, DecodeSettings], Decoder]] = {
     "none": _plain,
     "draft": _draft_lm,
-    "parallel_draft": _parallel_draft,
+    "parallel_draft": _draft_lm,
     "ngram": _ngram,
     "oracle": _oracle,
     "medusa": _medusa,
@@ -151,6 +165,9 @@ def build_decoder(target, drafter: Drafter, settings: DecodeSettings) -> Decoder
     engine). Its `tree_name` says which tree it verifies (None for a chain)."""
     if drafter.kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {drafter.kind!r}; known: {', '.join(DRAFTERS)}")
+    if settings.ngram_hybrid and (drafter.kind not in HYBRID_KINDS or settings.temperature > 0):
+        raise ValueError(f"+ngram joins a draft LM (greedy) in one tree, not {drafter.kind} at temperature "
+                         f"{settings.temperature}")
     decoder = DRAFTERS[drafter.kind](as_cached_lm(target), drafter, settings)
     decoder.tree_name = tree_name(drafter, settings)
     return decoder

@@ -27,15 +27,17 @@ NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
 
 
 def parse_drafter(arg: str) -> tuple[str, dict]:
-    """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=eagle3:DIR`, `NAME=ngram` or `NAME=none`."""
+    """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=eagle3:DIR`, `NAME=ngram` or `NAME=none`; a draft
+    may end in `+ngram` (its chain and n-gram lookup's, verified as one tree)."""
     name, sep, what = arg.partition("=")
-    kind, _, path = what.partition(":")
+    hybrid = what.endswith("+ngram") and what.startswith("draft:")
+    kind, _, path = what.removesuffix("+ngram").partition(":") if hybrid else what.partition(":")
     if not sep or not name or kind not in KINDS or (kind in WITH_PATH) != bool(path):
-        raise UserError(f"--drafter {arg!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, "
-                        "NAME=ngram or NAME=none")
+        raise UserError(f"--drafter {arg!r} is malformed; use NAME=draft:DIR (or NAME=draft:DIR+ngram), "
+                        "NAME=heads:DIR, NAME=eagle3:DIR, NAME=ngram or NAME=none")
     check_drafter_name(name, arg)
     if kind in WITH_PATH:
-        return name, {kind: path}
+        return name, {kind: path, "ngram": hybrid}
     return name, {"method": kind}
 
 
@@ -61,7 +63,8 @@ def drafter_configs(base: EvalConfig, drafters: list[str]) -> list[EvalConfig]:
     names = [n for n, _ in parsed]
     if len(set(names)) != len(names):
         raise UserError("drafter names must be unique; give each --drafter its own NAME")
-    return [replace(base, **{"draft": None, "heads": None, "eagle3": None, "method": None, **fields}, name=name,
+    return [replace(base, **{"draft": None, "heads": None, "eagle3": None, "method": None, "ngram": False, **fields},
+                    name=name,
                     out=str(Path(base.out) / name)) for name, fields in parsed]
 
 

@@ -43,6 +43,8 @@ class EvalConfig:
                                  metavar="DIR", drafter=True)
     method: str | None = setting(None, "A drafter without weights: ngram (prompt lookup) or none (the target "
                                  "alone).", choices=("ngram", "none"), drafter=True)
+    ngram: bool = setting(False, "With --draft: also look up an n-gram continuation each step and verify it with the "
+                          "draft's chain in the same target pass, as a two-branch tree (greedy only).", drafter=True)
     name: str | None = setting(None, "The drafter's name in titles and tables (unset: the draft or heads "
                                "directory's name, else the method).", drafter=True)
     limit: int | None = setting(None, "At most N prompts from each prompt file (unset: all).", metavar="N",
@@ -90,6 +92,12 @@ class EvalConfig:
         if len(chosen) != 1:
             raise UserError("choose exactly one drafter: --draft DIR, --heads DIR, --eagle3 DIR, --method ngram or "
                             "--method none" + (f" (got {' and '.join(chosen)})" if chosen else ""))
+        if self.ngram and not self.draft:
+            raise UserError("--ngram joins n-gram lookup to a draft model (--draft DIR); --method ngram alone needs no "
+                            "--ngram")
+        if self.ngram and self.temperature > 0:
+            raise UserError("--ngram verifies two branches as a tree, which is greedy; use --temperature 0 or leave "
+                            "--ngram out")
         if not self.prompts:
             raise UserError("no prompt file given; pass --prompts FILE")
         if self.temperature == math.inf:
@@ -118,7 +126,8 @@ class EvalConfig:
             raise ValueError("--num-draft-tokens auto is resolved by evaluation.plan before decoding")
         return DecodeSettings(num_draft_tokens=self.num_draft_tokens if k is None else k, temperature=self.temperature, top_p=self.top_p,
                               generator=generator, record_margins=record_margins, tree=self.tree,
-                              tree_nodes=self.tree_nodes, tree_topk=self.tree_topk, ngram_max=self.ngram_max)
+                              tree_nodes=self.tree_nodes, tree_topk=self.tree_topk, ngram_max=self.ngram_max,
+                              ngram_hybrid=self.ngram)
 
     @property
     def drafter_kind(self) -> str:
@@ -132,7 +141,7 @@ class EvalConfig:
             return self.name
         path = self.draft or self.heads or self.eagle3
         if path:
-            return Path(path.rstrip("/")).name or path
+            return (Path(path.rstrip("/")).name or path) + ("+ngram" if self.ngram else "")
         return str(self.method)
 
     @property
@@ -141,7 +150,7 @@ class EvalConfig:
 
 
 # Settings that may differ between the drafters of one `compare` run.
-PER_DRAFTER = ("draft", "heads", "eagle3", "method", "name", "out")
+PER_DRAFTER = ("draft", "heads", "eagle3", "method", "ngram", "name", "out")
 
 
 def shared_settings(cfg: EvalConfig) -> dict:

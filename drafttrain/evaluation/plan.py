@@ -37,6 +37,7 @@ class Acceptance:
     per_position: list[float]
     proposal_rates: list[float] | None
     source: str
+    extra_tokens: float = 0.0  # a hybrid's n-gram nodes per step beside the model's K drafts
 
 
 def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
@@ -73,15 +74,17 @@ def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, prompts: list[E
         accepted += gen.accepted_lengths
         proposed += gen.proposed_lengths
     steps = max(1, len(accepted))
+    hybrid = getattr(getattr(decoder, "drafter", None), "lookup_nodes", None)
     return Acceptance([sum(a >= j for a in accepted) / steps for j in range(1, PLAN_MAX_K + 1)],
-                      [sum(m >= j for m in proposed) / steps for j in range(1, PLAN_MAX_K + 1)],
-                      f"{len(prompts)} calibration prompts from {cfg.calibration_prompts}")
+                      None if cfg.ngram else [sum(m >= j for m in proposed) / steps for j in range(1, PLAN_MAX_K + 1)],
+                      f"{len(prompts)} calibration prompts from {cfg.calibration_prompts}",
+                      hybrid / steps if hybrid is not None else 0.0)
 
 
 def drafter_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: list[EncodedPrompt]) -> Acceptance:
     if cfg.calibration_prompts:
         return calibrated_acceptance(cfg, models, calibration)
-    recorded = recorded_acceptance(cfg)
+    recorded = None if cfg.ngram else recorded_acceptance(cfg)  # a hybrid's own acceptance is not recorded
     if recorded is None:
         raise UserError(f"--num-draft-tokens auto needs {cfg.drafter_name}'s acceptance on other prompts than the "
                         f"evaluated ones, and it has none recorded ({RECORD}); pass --calibration-prompts FILE")
@@ -123,19 +126,19 @@ def plan_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
     max_k = min(PLAN_MAX_K, len(acceptance.per_position))
     target_lm = models.target_lm or as_cached_lm(models.target)
     start = time.perf_counter()
-    verify = forward_curve(target_lm, probe.ids, max_k + 1)
+    verify = forward_curve(target_lm, probe.ids, max_k + 1 + (max_k if cfg.ngram else 0))
     draft, draft_noise = drafter_seconds(cfg, models, probe, acceptance, max_k)
     single = median(verify[0])
     costs = Costs(tuple(median(v) for v in verify), tuple(draft), loop_overhead(models, probe, single),
                   tuple(noisy(verify) + draft_noise))
-    plan = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k)
+    plan = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens)
     for line in costs.warnings:
         print(f"warning: {cfg.drafter_name}: the cost measurement looks like a busy machine ({line}); the plan "
               "may be made from noise: run alone", file=sys.stderr)
     block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": None, "costs": costs.as_dict(),
              "planned_speedup": plan.planned_speedup, "expected_tokens": plan.expected_tokens,
              "source": acceptance.source, "acceptance": acceptance.per_position,
-             "proposal_rates": acceptance.proposal_rates, "candidates": plan.as_dict()["candidates"],
+             "proposal_rates": acceptance.proposal_rates, "extra_tokens": acceptance.extra_tokens, "candidates": plan.as_dict()["candidates"],
              "noise": list(costs.warnings), "seconds": time.perf_counter() - start}
     return plan, block
 

@@ -40,6 +40,8 @@ def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = Fals
     settings = dataclasses.replace(cfg.decode_settings(generator=generator, record_margins=record_margins),
                                    eos_token_ids=frozenset(models.eos))
     drafter = models.drafter("none" if baseline or cfg.num_draft_tokens == 0 else cfg.drafter_kind)
+    if drafter.kind == "none":
+        settings = dataclasses.replace(settings, num_draft_tokens=0, ngram_hybrid=False)
     return build_decoder(models.target_lm or models.target, drafter, settings)
 
 

@@ -71,6 +71,8 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
         overall["tree"] = decoder.tree_name
         if overall["tree"].startswith("dynamic"):
             overall["tree_nodes"] = decoder.num_tree_nodes
+    if cfg.ngram:
+        overall["tree"] = decoder.tree_name
     if cfg.drafter_kind == "medusa":
         overall["per_head_acceptance"] = overall["per_position_acceptance"]  # position i = head i's token
         overall["tree_nodes"] = decoder.num_tree_nodes

@@ -84,3 +84,39 @@ def test_a_damaged_record_is_one_error(setup, tmp_path, capsys):
     shutil.copytree(setup["recorded"], bad)
     (bad / "drafttrain.json").write_text("{\"held_out\": 3}")
     one_error_line(*cli(capsys, argv(setup, tmp_path / "o", drafter=("--draft", str(bad)))), "damaged", "re-export")
+
+
+def test_a_hybrid_eval_is_lossless_and_names_its_tree(setup, tmp_path):
+    line = [a for a in argv(setup, tmp_path / "o", "--ngram", drafter=("--draft", setup["draft"]))]
+    line[line.index("auto")] = "3"
+    assert main(line) == 0
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["drafter"] == "draft+ngram" and report["overall"]["tree"].startswith("model chain + n-gram")
+    assert report["overall"]["outputs_match_baseline"] == 1.0
+
+
+def test_a_planned_hybrid_counts_its_ngram_nodes(setup, tmp_path):
+    assert main(argv(setup, tmp_path / "o", "--ngram", "--calibration-prompts", setup["calibration"],
+                     drafter=("--draft", setup["draft"]))) == 0
+    plan = json.loads((tmp_path / "o" / "report.json").read_text())["plan"]
+    assert len(plan["costs"]["verify_seconds"]) == 2 * PLAN_MAX_K + 1
+    assert plan["extra_tokens"] >= 0 and plan["proposal_rates"] is None
+
+
+@pytest.mark.parametrize("extra, words", [(("--ngram",), ["--draft DIR"]),
+                                          (("--ngram", "--temperature", "0.5"), ["greedy"])])
+def test_bad_hybrids_are_one_error(setup, tmp_path, capsys, extra, words):
+    spec = ("--method", "ngram") if words == ["--draft DIR"] else ("--draft", setup["draft"])
+    line = argv(setup, tmp_path / "o", *extra, drafter=spec)
+    line[line.index("auto")] = "3"
+    one_error_line(*cli(capsys, line), *words)
+
+
+def test_compare_takes_plus_ngram_on_a_draft_only(setup, tmp_path, capsys):
+    from drafttrain.evaluation.compare import parse_drafter
+
+    assert parse_drafter(f"h=draft:{setup['draft']}+ngram") == ("h", {"draft": setup["draft"], "ngram": True})
+    assert parse_drafter(f"d=draft:{setup['draft']}") == ("d", {"draft": setup["draft"], "ngram": False})
+    code, out, err = cli(capsys, ["compare", "--target", setup["target"], "--drafter", "x=ngram+ngram",
+                                  "--prompts", setup["prompts"], "--out", str(tmp_path / "c")])
+    one_error_line(code, out, err, "NAME=draft:DIR+ngram")
