@@ -40,6 +40,7 @@ from drafttrain.data.collate import TrainingCollator
 from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings, Drafter
 from drafttrain.draft_init import draft_from_target
 from drafttrain.errors import UserError
+from drafttrain.evaluation.plan import export_plans
 from drafttrain.export import export_draft, held_out_record
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
@@ -292,12 +293,21 @@ class DistillRecipe(Recipe):
         cfg = self.config
         rows = [table_row("initial (before training)", initial), table_row(f"final (step {result.best_step})", final)]
         chosen = "best held-out tau" if cfg.train.keep_best else "last"
-        export_draft(result.model.to(DTYPES[cfg.export_dtype]), self.tokenizer, self.out / "final",
-                     eos_token_id=self.export_eos, acceptance_table=rows,
+        model = result.model.to(DTYPES[cfg.export_dtype])
+        plans = self.plans(model, final)
+        planned = ({"planned K (drafttrain.json)": f"{plans['gpu_batch1']['num_draft_tokens']} on a GPU at batch 1 "
+                    f"(vLLM num_speculative_tokens), {plans['this_machine']['num_draft_tokens']} on the training "
+                    "machine (0: no speculation pays there)"} if plans else {})
+        export_draft(model, self.tokenizer, self.out / "final", eos_token_id=self.export_eos, acceptance_table=rows,
                      base_info={**self.card_info, "loss": cfg.loss.kind, "training steps": result.step,
                                 "exported weights": f"step {result.best_step} ({chosen})",
-                                "held-out prompts": len(self.prompts)},
-                     record=held_out_record(final, len(self.prompts)))
+                                "held-out prompts": len(self.prompts), **planned},
+                     record=held_out_record(final, len(self.prompts)) | {"plans": plans})
+
+    def plans(self, model, final: dict) -> dict:
+        """K planned from the held-out acceptance, for this machine (measured) and a GPU at batch 1."""
+        probe = self.prompts[0].ids
+        return export_plans(self.target, model, final["per_position_acceptance"], parallel_info(model.config), probe)
 
     @property
     def export_eos(self) -> int | list[int]:

@@ -8,9 +8,11 @@
 # LOSSES="forward_kl tvd" distils one draft per loss and compares them all; HEADS=1 also trains
 # Medusa heads (recipes/configs/smollm2_heads_demo.yaml) and EAGLE3=1 an EAGLE-3 draft
 # (recipes/configs/smollm2_eagle3_demo.yaml), each added to the comparison (times: README);
-# PARALLEL=1 also distils a parallel draft (PARD: K=4 drafts from one forward) on the same cached
-# answers, as draft.parallel_tokens=4 of the same config (PARALLEL_STEPS optimizer steps, keeping about a third of
-# the deeper masks: the same training time as the sequential draft on 2 CPU cores).
+# PARALLEL=1 also makes a parallel draft (PARD: K=4 drafts from one forward) as PARD does: the distilled
+# draft adapted to mask tokens on the same cached answers (draft.parallel_tokens=4, PARALLEL_STEPS steps).
+# HYBRID=1 adds the distilled draft + n-gram lookup (one two-branch tree per step). K=auto plans each
+# drafter's K from this machine's costs, with acceptance measured on the HumanEval prompts after the
+# compared ones (--calibration-prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(bash scripts/setup_env.sh | tail -1)
@@ -26,7 +28,9 @@ THREADS=${THREADS:-$(nproc)}
 HEADS=${HEADS:-0}
 EAGLE3=${EAGLE3:-0}
 PARALLEL=${PARALLEL:-0}
-PARALLEL_STEPS=${PARALLEL_STEPS:-140}
+PARALLEL_STEPS=${PARALLEL_STEPS:-40}
+HYBRID=${HYBRID:-0}
+K=${K:-4}                   # draft tokens per step, or auto
 TREE_NODES=${TREE_NODES:-64}  # EAGLE-3's dynamic tree in the comparison: as many nodes as the heads' calibrated tree
 mkdir -p "$OUT"
 
@@ -47,8 +51,13 @@ if [ "$PARALLEL" = 1 ]; then
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
     recipes/distill.py \
     --config recipes/configs/smollm2_distill_demo.yaml target="$TARGET" \
-    output_dir="$OUT/parallel" draft.parallel_tokens=4 draft.parallel_keep=0.35 train.max_steps="$PARALLEL_STEPS"
+    output_dir="$OUT/parallel" draft.path="$OUT/distill-${LOSSES%% *}/final" draft.from_target_layers=null \
+    draft.parallel_tokens=4 draft.parallel_keep=0.35 train.max_steps="$PARALLEL_STEPS" \
+    train.eval_every="$PARALLEL_STEPS" train.checkpoint_every="$PARALLEL_STEPS" optim.warmup_steps=4
   drafters+=(--drafter "parallel=draft:$OUT/parallel/final")
+fi
+if [ "$HYBRID" = 1 ]; then
+  drafters+=(--drafter "distilled-${LOSSES%% *}+ngram=draft:$OUT/distill-${LOSSES%% *}/final+ngram")
 fi
 if [ "$HEADS" = 1 ]; then
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
@@ -62,7 +71,12 @@ if [ "$EAGLE3" = 1 ]; then
     --config recipes/configs/smollm2_eagle3_demo.yaml target="$TARGET" output_dir="$OUT/eagle3"
   drafters+=(--drafter "eagle3=eagle3:$OUT/eagle3/final")
 fi
+plan=()
+if [ "$K" = auto ]; then  # acceptance from other prompts than the compared ones
+  tail -n +"$((LIMIT + 1))" "$OUT/humaneval.jsonl" > "$OUT/humaneval-calibration.jsonl"
+  plan=(--calibration-prompts "$OUT/humaneval-calibration.jsonl")
+fi
 drafttrain compare --target "$TARGET" "${drafters[@]}" --drafter ngram=ngram \
-  --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens 4 \
+  --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens "$K" "${plan[@]}" \
   --tree-nodes "$TREE_NODES" --tree-topk 8 --out "$OUT/report" --overwrite
 echo "acceptance report: $OUT/report/comparison.md (one full report per drafter beside it)"

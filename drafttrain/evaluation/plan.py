@@ -158,4 +158,41 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], probe: Enc
     return planned, blocks
 
 
-__all__ = ["CALIBRATION_PROMPTS", "PLAN_MAX_K", "RECORD", "Acceptance", "plan_drafter", "resolve_plans"]
+
+
+def export_plans(target, draft, acceptance: list[float], parallel: dict | None, probe: list[int]) -> dict:
+    """The plans an export records beside its held-out acceptance (`drafttrain.json` "plans"):
+    one from costs measured now on the training machine, and one for a GPU at batch 1, where a
+    forward of a few tokens costs what one token does (memory-bound) and a draft forward costs
+    its share of the target's parameters; with the vLLM `speculative_config` that GPU plan means."""
+    from ..decoding import EagerLM
+
+    max_k = min(PLAN_MAX_K, len(acceptance))
+    if max_k == 0:
+        return {}
+    target_lm, draft_lm = EagerLM(target), EagerLM(draft)
+    verify = tuple(median(t) for t in forward_curve(target_lm, probe, max_k + 1))
+    share = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
+    if parallel:
+        widths = [min(2 * max_k, round(1 + sum(acceptance[:k - 1])) + k - 1) for k in range(1, max_k + 1)]
+        curve = forward_curve(draft_lm, probe, max(widths))
+        here = (0.0, *(median(curve[w - 1]) for w in widths))
+        gpu_draft = (0.0, *([share] * max_k))
+    else:
+        one = median(forward_curve(draft_lm, probe, 1)[0])
+        here = tuple(k * one for k in range(max_k + 1))
+        gpu_draft = tuple(k * share for k in range(max_k + 1))
+    cpu = plan_chain(acceptance, Costs(verify, here))
+    gpu = plan_chain(acceptance, Costs((1.0,) * (max_k + 1), gpu_draft))
+    config = {"method": "draft_model", "num_speculative_tokens": max(gpu.num_draft_tokens, 1)}
+    if parallel:
+        config["parallel_drafting"] = True
+    return {"this_machine": {"num_draft_tokens": cpu.num_draft_tokens, "planned_speedup": cpu.planned_speedup,
+                             "costs": Costs(verify, here).as_dict()},
+            "gpu_batch1": {"num_draft_tokens": gpu.num_draft_tokens, "planned_speedup": gpu.planned_speedup,
+                           "assumption": f"verification flat in tokens; a draft forward costs {share:.3f} of a "
+                                         "target forward (its parameter share)"},
+            "vllm_speculative_config": config}
+
+
+__all__ = ["CALIBRATION_PROMPTS", "Acceptance", "export_plans", "plan_drafter", "resolve_plans"]

@@ -190,6 +190,10 @@ def test_distillation_raises_acceptance_on_held_out_prompts(distilled, assets):
     assert record["per_position_acceptance"] == final["per_position_acceptance"]
     assert (record["tau"], record["num_draft_tokens"], record["prompts"]) == (final["tau"], cfg.eval.num_draft_tokens,
                                                                              cfg.eval.num_prompts)
+    plans = json.loads((distilled / "final" / "drafttrain.json").read_text())["plans"]
+    assert plans["vllm_speculative_config"]["num_speculative_tokens"] == max(plans["gpu_batch1"]["num_draft_tokens"], 1)
+    assert 0 <= plans["this_machine"]["num_draft_tokens"] <= cfg.eval.num_draft_tokens
+    assert f"{plans['gpu_batch1']['num_draft_tokens']} on a GPU at batch 1" in card
     # The best-tau evaluation is what was exported.
     log = [json.loads(line) for line in (distilled / "train_log.jsonl").read_text().splitlines()]
     evals = [e for e in log if e["type"] == "eval"]
