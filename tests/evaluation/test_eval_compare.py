@@ -33,8 +33,9 @@ def compare_argv(models, out, *drafters):
 
 
 def test_parse_drafter():
-    assert parse_drafter("a=draft:/x") == ("a", {"draft": "/x"})
-    assert parse_drafter("h=heads:d") == ("h", {"heads": "d"})
+    assert parse_drafter("a=draft:/x") == ("a", {"draft": "/x", "ngram": False})
+    assert parse_drafter("a=draft:/x+ngram") == ("a", {"draft": "/x", "ngram": True})
+    assert parse_drafter("h=heads:d") == ("h", {"heads": "d", "ngram": False})
     assert parse_drafter("n=ngram") == ("n", {"method": "ngram"})
     for bad in ("nodash", "a=draft", "a=ngram:x", "a=magic", "=ngram", "a/b=ngram", ".a=ngram"):
         with pytest.raises(UserError):

@@ -14,9 +14,12 @@ MKL's narrow kernel for exactly 3 columns is slower than its 4-column one (SmolL
 of 2 drafts then costs what one of 3 does.
 
 The result is the same product up to float rounding; baseline and speculative decoding run the
-same model, so they share it (each report's `match baseline` checks equality). Only rows up to
-`MAX_ROWS` take this path; prefill keeps the BLAS GEMM, which is right for many rows. Installed
-by the engines on CPU models only; GPUs are untouched.
+same model, so they share it (each report's `match baseline` checks equality). Only 2 to
+`MAX_ROWS` rows take this path: one row is already the GEMV, and prefill keeps the BLAS GEMM,
+which is right for many rows. Installed by the engines on float32 CPU models only: GPUs are
+untouched, and float64, the dtype of the exactness tests, keeps transformers' own product bit for
+bit (the rounding of `mm(W, xᵀ)` depends on the number of rows, and an architecture that rounds
+through float32 inside, as Qwen3's q/k norms do, turns a 1e-17 difference into 1e-7).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ PADDED_ROWS = {3: 4}  # rows -> the width that computes them faster (zero rows a
 
 def _skinny_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= MAX_ROWS:
+    if not 1 < rows <= MAX_ROWS:  # one row is BLAS's GEMV already
         return torch.nn.functional.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
     width = PADDED_ROWS.get(rows, rows)
@@ -44,10 +47,10 @@ def _skinny_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_skinny_matmuls(model: torch.nn.Module) -> None:
-    """Give every `nn.Linear` of a CPU model (float32/float64) the few-rows path. Idempotent."""
+    """Give every float32 `nn.Linear` of a CPU model the few-rows path. Idempotent."""
     for module in model.modules():
         if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
-                and module.weight.dtype in (torch.float32, torch.float64) and "forward" not in module.__dict__):
+                and module.weight.dtype == torch.float32 and "forward" not in module.__dict__):
             module.forward = types.MethodType(_skinny_linear, module)
 
 
