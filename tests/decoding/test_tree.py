@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain.decoding import EagerLM, StaticLM
 from drafttrain.decoding.drafters.medusa import tree_candidates
-from drafttrain.decoding.engines.eager import compact_cache, tree_attention_inputs
+from drafttrain.decoding.engines.eager import cache_argument, compact_cache, returned_cache, tree_attention_inputs
 from drafttrain.decoding.verify import greedy_tree_verdict
 from drafttrain.trees import DEFAULT_TREE, chain_tree, default_tree, static_tree, tree_from_parents
 
@@ -350,8 +350,8 @@ def test_compact_cache_keeps_order_and_prefix():
     gen = torch.Generator().manual_seed(3)
     prefix = torch.randint(VOCAB, (4,), generator=gen)
     with torch.no_grad():
-        cache = model(prefix[None], use_cache=True).past_key_values
-        model(torch.randint(VOCAB, (1, 5), generator=gen), past_key_values=cache, use_cache=True)
+        cache = returned_cache(model(prefix[None], use_cache=True))
+        model(torch.randint(VOCAB, (1, 5), generator=gen), use_cache=True, **{cache_argument(model): cache})
     before = copy.deepcopy(cache)
     compact_cache(cache, 4, [0, 3, 1])
     for old, new in zip(before.layers, cache.layers):

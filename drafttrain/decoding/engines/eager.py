@@ -17,6 +17,20 @@ from .matmul import use_skinny_matmuls
 MASKABLE_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
 
 
+def cache_argument(model) -> str:
+    """The name the model's forward takes its KV cache under: `cache` from transformers 5.24,
+    `past_key_values` before (5.24 still takes the old name, with a warning on stderr that would
+    break the one-line error contract of every command)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out):
+    """The KV cache a forward returned, under either transformers' name (see `cache_argument`)."""
+    return out["cache"] if "cache" in out.keys() else out["past_key_values"]
+
+
 class EagerLM(CachedLM):
     engine = "eager"
 
@@ -24,6 +38,7 @@ class EagerLM(CachedLM):
         self.model = model
         self.device = next(model.parameters()).device
         use_skinny_matmuls(model)
+        self.cache_argument = cache_argument(model)
         self.max_length = max_length
         self.cache = None
         self.length = 0  # tokens held in the cache
@@ -53,10 +68,9 @@ class EagerLM(CachedLM):
                 raise UserError(f"tree decoding needs an attention kernel that accepts custom masks, but the target "
                                 f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
             mask, positions = tree_attention_inputs(tree, self.length, self.device, self.model.dtype)
-        out = self.model(input_ids=tokens.view(1, -1), past_key_values=self.cache, use_cache=True,
-                         attention_mask=mask, position_ids=positions,
-                         output_hidden_states=bool(hidden_layers))
-        self.cache = out.past_key_values
+        out = self.model(input_ids=tokens.view(1, -1), use_cache=True, attention_mask=mask, position_ids=positions,
+                         output_hidden_states=bool(hidden_layers), **{self.cache_argument: self.cache})
+        self.cache = returned_cache(out)
         self.length += n
         hidden = select_hidden([h[0] for h in out.hidden_states], hidden_layers) if hidden_layers else None
         return out.logits[0], hidden
