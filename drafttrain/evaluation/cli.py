@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .compare import run_compare
+from .compare import run_compare, served_checks, served_warnings
 from ..config import add_flags, from_args
 from .config import EvalConfig
 from .replay import ReplayConfig, format_results, run_replay
@@ -25,8 +25,8 @@ def add_cli(sub) -> None:
     p = sub.add_parser("compare", help="several drafters side by side on one target, in one run",
                        description="Several drafters on one target, one process, one shared baseline.")
     p.add_argument("--drafter", action="append", required=True, metavar="NAME=KIND[:DIR]",
-                   help="NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, NAME=ngram or NAME=none; repeat for each drafter "
-                        "(required)")
+                   help="NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, NAME=ngram or NAME=none, optionally ending "
+                        "in @vllm or @drafttrain (who decodes it; unset: --backend); repeat for each drafter (required)")
     add_flags(p, EvalConfig, drafter=False, docs={
         "out": "Directory for comparison.md/json, the comparison plots and one report per drafter (NAME/). One "
                "that exists and is not empty is refused unless --overwrite."})
@@ -59,6 +59,8 @@ def run_compare_cli(args: argparse.Namespace) -> int:
     for e in evaluations:
         for line in e.defect_warnings(prefix=f"{e.report['drafter']}: "):
             print(line, file=sys.stderr)
+    for line in served_warnings(served_checks(evaluations)):
+        print(line, file=sys.stderr)
     for e in evaluations:
         print(_summary(e.report["drafter"], e.report["overall"]))
     print(f"comparison in {base.out}/comparison.md")

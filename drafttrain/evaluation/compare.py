@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import UserError
-from .config import EvalConfig, shared_settings
+from .config import BACKEND_CHOICES, EvalConfig, shared_settings
 from .outputs import prepare_output_dir, staged_output
 from .report import (_fmt, bar_figure, markdown_table, per_position_figure, save_figure, scatter_figure, subtitle,
                      write_json, write_report)
@@ -28,17 +28,21 @@ NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
 
 def parse_drafter(arg: str) -> tuple[str, dict]:
     """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=eagle3:DIR`, `NAME=ngram` or `NAME=none`; a draft
-    may end in `+ngram` (its chain and n-gram lookup's, verified as one tree)."""
+    may end in `+ngram` (its chain and n-gram lookup's, verified as one tree), and any drafter in
+    `@vllm` or `@drafttrain` (who decodes it; unset: --backend)."""
     name, sep, what = arg.partition("=")
+    head, at, backend = what.rpartition("@")
+    at = bool(at) and backend in BACKEND_CHOICES
+    what = head if at else what
     hybrid = what.endswith("+ngram") and what.startswith("draft:")
     kind, _, path = what.removesuffix("+ngram").partition(":") if hybrid else what.partition(":")
     if not sep or not name or kind not in KINDS or (kind in WITH_PATH) != bool(path):
         raise UserError(f"--drafter {arg!r} is malformed; use NAME=draft:DIR (or NAME=draft:DIR+ngram), "
-                        "NAME=heads:DIR, NAME=eagle3:DIR, NAME=ngram or NAME=none")
+                        "NAME=heads:DIR, NAME=eagle3:DIR, NAME=ngram or NAME=none, each optionally ending in @vllm "
+                        "or @drafttrain")
     check_drafter_name(name, arg)
-    if kind in WITH_PATH:
-        return name, {kind: path, "ngram": hybrid}
-    return name, {"method": kind}
+    fields = {kind: path, "ngram": hybrid} if kind in WITH_PATH else {"method": kind}
+    return name, {**fields, **({"backend": backend} if at else {})}
 
 
 def check_drafter_name(name: str, arg: str) -> None:
@@ -74,7 +78,8 @@ def comparison_rows(evaluations: list[Evaluation]) -> list[dict]:
         o = e.report["overall"]
         p = o.get("predicted") or {}
         plan = e.report.get("plan") or {}
-        rows.append({"drafter": e.report["drafter"], "num_draft_tokens": e.report["config"]["num_draft_tokens"],
+        rows.append({"drafter": e.report["drafter"], "backend": e.report["backend"]["name"],
+                     "num_draft_tokens": e.report["config"]["num_draft_tokens"],
                      "planned_speedup": plan.get("planned_speedup"), "tau": o["mean_accepted_length"],
                      "acceptance_rate": o["acceptance_rate"], "alpha": p.get("alpha"),
                      "speculative_tokens_per_s": o["speculative_tokens_per_s"],
@@ -82,8 +87,81 @@ def comparison_rows(evaluations: list[Evaluation]) -> list[dict]:
                      "predicted_speedup": p.get("speedup"), "efficiency": p.get("efficiency"),
                      "outputs_match_baseline": o["outputs_match_baseline"], "divergences": o["divergences"],
                      "divergences_at_near_ties": o["divergences_at_near_ties"],
-                     "per_position_acceptance": o["per_position_acceptance"]})
+                     "per_position_acceptance": o["per_position_acceptance"],
+                     "mean_acceptance_length": o["mean_acceptance_length"],
+                     "per_position_acceptance_when_proposed": o["per_position_acceptance_when_proposed"]})
     return rows
+
+
+SERVED_TAU_TOLERANCE = 0.03  # issue 20: a served tau more than 3% from ours is flagged
+
+
+def drafter_identity(cfg: EvalConfig) -> tuple:
+    return cfg.drafter_kind, cfg.draft or cfg.heads or cfg.eagle3 or cfg.method, cfg.ngram, cfg.num_draft_tokens, cfg.tree
+
+
+def served_checks(evaluations: list[Evaluation]) -> list[dict]:
+    """Each drafter run by both backends: vLLM's mean acceptance length (1 + accepted drafts per
+    drafting step, counted alike for both) against drafttrain's, flagged beyond 3%, and whether
+    vLLM's speculative outputs left its own plain decoding anywhere but at a near-tie."""
+    ours = {drafter_identity(e.cfg): e for e in evaluations if e.cfg.backend == "drafttrain"}
+    checks = []
+    for e in evaluations:
+        mine = ours.get(drafter_identity(e.cfg)) if e.cfg.backend == "vllm" else None
+        if mine is None:
+            continue
+        a, b = mine.report["overall"], e.report["overall"]
+        ta, tb = a["mean_acceptance_length"], b["mean_acceptance_length"]
+        difference = (tb - ta) / ta if ta and tb is not None else None
+        defects = b["divergences"] - (b["divergences_at_near_ties"] or 0) if b["divergences"] is not None else None
+        checks.append({"drafttrain": mine.report["drafter"], "vllm": e.report["drafter"], "kind": e.cfg.drafter_kind,
+                       "mean_acceptance_length": {"drafttrain": ta, "vllm": tb}, "relative_difference": difference,
+                       "tau_flagged": difference is not None and abs(difference) > SERVED_TAU_TOLERANCE,
+                       "served_outputs_match_served_plain": b["outputs_match_baseline"],
+                       "served_divergences_not_near_ties": defects,
+                       "outputs_flagged": bool(defects)})
+    return checks
+
+
+def served_section(checks: list[dict]) -> list[str]:
+    """comparison.md's side-by-side of each drafter that both backends ran."""
+    if not checks:
+        return []
+    lines = ["", "## Served acceptance", "",
+             "Mean acceptance length counted as vLLM counts it (1 + accepted drafts per step that drafted) for "
+             f"both; flagged beyond {100 * SERVED_TAU_TOLERANCE:.0f}%. vLLM's prefill emits token 1, which it never "
+             "drafts; drafttrain's first step may accept a draft of it.", ""]
+    lines += markdown_table(
+        ["drafttrain", "vllm", "mean acceptance length (drafttrain / vllm)", "difference", "served = served plain",
+         "flagged"],
+        [[c["drafttrain"], c["vllm"], f"{_fmt(c['mean_acceptance_length']['drafttrain'], 3)} / "
+          f"{_fmt(c['mean_acceptance_length']['vllm'], 3)}",
+          "-" if c["relative_difference"] is None else f"{100 * c['relative_difference']:+.1f}%",
+          _fmt(c["served_outputs_match_served_plain"], 2),
+          ", ".join(x for x, f in (("tau", c["tau_flagged"]), ("outputs", c["outputs_flagged"])) if f) or "no"]
+         for c in checks])
+    return lines
+
+
+def served_warnings(checks: list[dict]) -> list[str]:
+    """One `warning:` line per flagged served check."""
+    lines = []
+    for c in checks:
+        t = c["mean_acceptance_length"]
+        if c["tau_flagged"] and c["kind"] == "ngram":
+            lines.append(f"warning: {c['vllm']}: vLLM's n-gram mean acceptance length {t['vllm']:.3f} is "
+                         f"{100 * c['relative_difference']:+.1f}% from drafttrain's {t['drafttrain']:.3f}: vLLM continues "
+                         "the earliest match of the longest suffix, drafttrain the latest, so the two propose different "
+                         "drafts (no export is involved)")
+        elif c["tau_flagged"]:
+            lines.append(f"warning: {c['vllm']}: vLLM's mean acceptance length {t['vllm']:.3f} is "
+                         f"{100 * c['relative_difference']:+.1f}% from drafttrain's {t['drafttrain']:.3f} "
+                         f"({c['drafttrain']}), beyond {100 * SERVED_TAU_TOLERANCE:.0f}%: the export may not serve as "
+                         "trained (a weight name, the aux layers, the dtype); see its report")
+        if c["outputs_flagged"]:
+            lines.append(f"warning: {c['vllm']}: vLLM's speculative greedy outputs left its own plain decoding at "
+                         f"{c['served_divergences_not_near_ties']} prompt(s) where the target is not near a tie")
+    return lines
 
 
 def comparison_figures(rows: list[dict], sub: str) -> dict[str, object]:
@@ -110,9 +188,10 @@ COMPARISON_COLUMNS = [("drafter", "drafter", None), ("K", "num_draft_tokens", No
                       ("predicted", "predicted_speedup", 2), ("efficiency", "efficiency", 2),
                       ("match baseline", "outputs_match_baseline", 2)]
 PLAN_COLUMN = ("planned (auto)", "planned_speedup", 2)  # with --num-draft-tokens auto
+BACKEND_COLUMN = ("backend", "backend", None)  # with served rows
 
 
-def render_comparison(rows: list[dict], first: dict, figures: dict) -> str:
+def render_comparison(rows: list[dict], first: dict, figures: dict, checks: list[dict] = ()) -> str:
     cfg, env = first["config"], first["environment"]
     planned = any(r["planned_speedup"] is not None for r in rows)
     k = "K planned per drafter (--num-draft-tokens auto)" if planned else f"K={cfg['num_draft_tokens']}"
@@ -123,7 +202,9 @@ def render_comparison(rows: list[dict], first: dict, figures: dict) -> str:
     lines = ["# Drafter comparison", "",
              ", ".join(facts) + ". One process: each prompt is decoded by the target alone, then by every drafter; "
              "speedups share that baseline. Predicted speedup and efficiency: see each drafter's report.", ""]
-    columns = COMPARISON_COLUMNS[:8] + [PLAN_COLUMN] * planned + COMPARISON_COLUMNS[8:]
+    served = any(r["backend"] == "vllm" for r in rows)
+    columns = (COMPARISON_COLUMNS[:1] + [BACKEND_COLUMN] * served + COMPARISON_COLUMNS[1:8] + [PLAN_COLUMN] * planned
+               + COMPARISON_COLUMNS[8:])
     lines += markdown_table([c for c, _, _ in columns],
                             [[r["drafter"], *(_fmt(r[key], digits) for _, key, digits in columns[1:])] for r in rows])
     diverged = [r for r in rows if r["divergences"]]
@@ -134,6 +215,10 @@ def render_comparison(rows: list[dict], first: dict, figures: dict) -> str:
                       "1-token forward in low precision, not from the decoder): "
                   + "; ".join(f"{r['drafter']} {r['divergences_at_near_ties']} of {r['divergences']} at near-ties"
                               for r in diverged) + "."]
+    if served:
+        lines += ["", "Served rows (backend vllm) run in vLLM's offline engine, one prompt at a time; their baseline "
+                      "is vLLM's own plain decoding of the same prompts, their match column compares with it."]
+    lines += served_section(checks)
     for name in figures:
         lines += ["", f"![{FIGURE_CAPTIONS[name]}]({name})"]
     lines += ["", "Each drafter's full report: `<drafter>/report.md`."]
@@ -150,6 +235,7 @@ def run_compare(base: EvalConfig, drafters: list[str], progress: bool = True,
     prepare_output_dir(base.out, base.overwrite)
     evaluations = evaluate(cfgs, progress=progress, decoder_factory=decoder_factory)
     rows = comparison_rows(evaluations)
+    checks = served_checks(evaluations)
     first = evaluations[0].report
     figures = comparison_figures(rows, subtitle(first))
     with staged_output(base.out, base.overwrite) as stage:
@@ -157,8 +243,8 @@ def run_compare(base: EvalConfig, drafters: list[str], progress: bool = True,
             write_report(stage / e.report["drafter"], e.report, e.results)
         for name, fig in figures.items():
             save_figure(fig, stage / name)
-        (stage / "comparison.md").write_text(render_comparison(rows, first, figures))
+        (stage / "comparison.md").write_text(render_comparison(rows, first, figures, checks))
         write_json(stage / "comparison.json", {"drafters": rows, "config": {**shared_settings(base), "out": base.out},
                                                "environment": first["environment"], "numerics": first["numerics"],
-                                               "engine": first["engine"]})
+                                               "engine": first["engine"], "served_checks": checks})
     return evaluations

@@ -22,6 +22,7 @@ def int_or_auto(text: str) -> int | str:
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 ENGINE_CHOICES = ("auto", "eager", "static")
+BACKEND_CHOICES = ("drafttrain", "vllm")
 PLAN_MAX_K = 6  # the deepest K that --num-draft-tokens auto considers (and calibration drafts)
 
 
@@ -73,6 +74,10 @@ class EvalConfig:
                           "a preallocated KV cache with compiled fixed-shape steps (CUDA graphs on CUDA; Llama, "
                           "Mistral, Qwen2, Qwen3); auto is static on CUDA where supported, else eager.",
                           choices=ENGINE_CHOICES)
+    backend: str = setting("drafttrain", "Who decodes: drafttrain (its own lossless decoder) or vllm (vLLM's offline "
+                           "engine, one prompt at a time, the same settings: served acceptance; needs the [vllm] "
+                           "extra). In compare, a drafter may end in @vllm or @drafttrain instead.",
+                           choices=BACKEND_CHOICES)
     ngram_max: int = setting(3, "Longest suffix n-gram that n-gram lookup matches.", metavar="N", at_least=1)
     tree: str = setting("auto", "Candidate tree of Medusa heads and EAGLE-3 drafts (greedy): auto (heads: the tree "
                         "calibrated when they were trained, else default; EAGLE-3: dynamic), default (a static "
@@ -113,6 +118,10 @@ class EvalConfig:
         if self.tree == "dynamic" and self.heads:
             raise UserError("--tree dynamic grows a tree with an EAGLE-3 draft; Medusa heads use auto, default, chain "
                             "or a tree file")
+        if self.backend == "vllm":
+            from .vllm_backend import check_servable  # the one module that knows vLLM
+
+            check_servable(self)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -140,9 +149,10 @@ class EvalConfig:
         if self.name:
             return self.name
         path = self.draft or self.heads or self.eagle3
+        served = "@vllm" if self.backend == "vllm" else ""
         if path:
-            return (Path(path.rstrip("/")).name or path) + ("+ngram" if self.ngram else "")
-        return str(self.method)
+            return (Path(path.rstrip("/")).name or path) + ("+ngram" if self.ngram else "") + served
+        return str(self.method) + served
 
     @property
     def greedy(self) -> bool:
@@ -150,7 +160,7 @@ class EvalConfig:
 
 
 # Settings that may differ between the drafters of one `compare` run.
-PER_DRAFTER = ("draft", "heads", "eagle3", "method", "ngram", "name", "out")
+PER_DRAFTER = ("draft", "heads", "eagle3", "method", "ngram", "name", "out", "backend")
 
 
 def shared_settings(cfg: EvalConfig) -> dict:

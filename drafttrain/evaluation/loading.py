@@ -45,6 +45,7 @@ class LoadedModels:
     target_lm: CachedLM | None = None  # the engine-bound models (`bind_engine`), shared by every decoder
     draft_lm: CachedLM | None = None
     eagle3_lm: CachedEagle3Draft | None = None
+    served: object | None = None  # --backend vllm: the run's vLLM engines (`vllm_backend.ServedEngines`)
 
     @property
     def dtype_name(self) -> str:

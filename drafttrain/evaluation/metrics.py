@@ -172,6 +172,7 @@ def compute_metrics(results: list[PromptResult], k: int, greedy: bool, *, cost_r
     drafted = sum(sum(g.proposed_lengths) for g in gens)
     accepted = sum(sum(g.accepted_lengths) for g in gens)
     steps = [a for g in gens for a in g.accepted_lengths]
+    drafting = sum(1 for g in gens for m in g.proposed_lengths if m)
     per_position = [sum(a >= i for a in steps) / len(steps) if steps else 0.0 for i in range(1, k + 1)]
     # The same, counting only steps that proposed position i (n-gram lookups and the last step
     # of a generation may propose fewer than k).
@@ -207,6 +208,8 @@ def compute_metrics(results: list[PromptResult], k: int, greedy: bool, *, cost_r
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": tau,
+        # vLLM's and SGLang's "mean acceptance length": 1 + accepted drafts per step that drafted.
+        "mean_acceptance_length": 1 + accepted / drafting if drafting else None,
         "per_position_acceptance": per_position,
         "per_position_acceptance_when_proposed": given_proposed,
         "baseline_tokens_per_s": base_tps,

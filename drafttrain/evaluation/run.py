@@ -28,12 +28,16 @@ from .outputs import prepare_output_dir, staged_output
 from .plan import calibration_prompts, resolve_plans
 from .report import prompt_digest, write_report
 from .summary import build_report
+from .vllm_backend import ServedEngines, require_vllm, served_decoder
 
 
 def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = False, seed_offset: int = 0,
                  record_margins: bool = False):
     """The decoder for cfg's drafter, or (`baseline`) the target alone on the same engine.
-    `record_margins` (greedy baselines): keep the target's top-1 minus top-2 logit per token."""
+    `record_margins` (greedy baselines): keep the target's top-1 minus top-2 logit per token.
+    `--backend vllm`: the same, served by vLLM (`vllm_backend`)."""
+    if cfg.backend == "vllm":
+        return served_decoder(cfg, models, baseline=baseline, seed_offset=seed_offset, record_margins=record_margins)
     generator = None
     if cfg.temperature > 0:
         generator = torch.Generator(device=models.device).manual_seed(cfg.seed + seed_offset)
@@ -76,6 +80,8 @@ def check_inputs(cfgs: list[EvalConfig]) -> None:
             raise UserError("compared drafters must share target, prompts and decoding settings")
     check_tree_used(cfgs)
     read_prompts(cfgs[0].prompts, cfgs[0].limit)
+    if any(cfg.backend == "vllm" for cfg in cfgs):
+        require_vllm()
 
 
 def check_tree_used(cfgs: list[EvalConfig]) -> None:
@@ -112,6 +118,11 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                              max_new_tokens=first.max_new_tokens, context_limit=context_length(loaded.target))
     calibration = calibration_prompts(first, loaded.tokenizer, context_length(loaded.target))
     engine_used = bind_engine(cfgs, models, prompts + calibration)
+    served = [cfg.backend == "vllm" for cfg in cfgs]
+    if any(served):  # one set of vLLM engines for the run, sized as drafttrain's caches are
+        engines = ServedEngines(max_model_len=models[0].target_lm.max_length or context_length(loaded.target) or 4096)
+        for m in models:
+            m.served = engines
     cfgs, plans = resolve_plans(cfgs, models, prompts[0], calibration)  # --num-draft-tokens auto: K from costs
     first = cfgs[0]
     torch.manual_seed(first.seed)
@@ -121,17 +132,24 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     with_baseline = first.baseline == "ours"
     margins = with_baseline and first.greedy
     decoders = [factory(cfg, m) for cfg, m in zip(cfgs, models)]
-    base = factory(first, loaded, baseline=True, record_margins=margins) if with_baseline else None
+    ours = dataclasses.replace(first, backend="drafttrain")
+    base = factory(ours, loaded, baseline=True, record_margins=margins) if with_baseline else None
+    # Served rows are timed against vLLM's own plain decoding of the same prompts.
+    served_cfg = next((cfg for cfg in cfgs if cfg.backend == "vllm"), None)
+    served_base = (factory(served_cfg, loaded, baseline=True, record_margins=margins)
+                   if with_baseline and served_cfg is not None else None)
     # Compile and capture every step shape first (static engine; nothing to do on eager), then
     # warm up (kernels, allocator, caches) with decoders of their own, so the seeded runs are
     # untouched. Neither is counted in tokens/s; both are reported.
-    for decoder in [*decoders, *([base] if base is not None else [])]:
+    for decoder in [*decoders, *(b for b in (base, served_base) if b is not None)]:
         warm = getattr(decoder, "warmup", None)
         if warm is not None:
             warm()
     warmups = [factory(cfg, m, seed_offset=1000) for cfg, m in zip(cfgs, models)]
     if with_baseline:
-        warmups.append(factory(first, loaded, baseline=True, seed_offset=1000, record_margins=margins))
+        warmups.append(factory(ours, loaded, baseline=True, seed_offset=1000, record_margins=margins))
+    if served_base is not None:
+        warmups.append(factory(served_cfg, loaded, baseline=True, seed_offset=1000, record_margins=margins))
     start = time.perf_counter()
     for decoder in warmups:
         decoder.generate(prompts[0].ids, min(8, first.max_new_tokens))
@@ -141,10 +159,12 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     with tqdm(prompts, desc="eval", unit="prompt", disable=not progress) as bar:
         for p in bar:
             baseline = timed_generate(base, p.ids, first.max_new_tokens) if base is not None else (None, None)
-            for decoder, rs in zip(decoders, results):
+            served_baseline = (timed_generate(served_base, p.ids, first.max_new_tokens) if served_base is not None
+                               else (None, None))
+            for decoder, rs, is_served in zip(decoders, results, served):
                 r = PromptResult(p.id, p.category, *timed_generate(decoder, p.ids, first.max_new_tokens),
                                  extra={"prompt_sha256": prompt_digest(p.ids)})
-                r.baseline, r.baseline_seconds = baseline
+                r.baseline, r.baseline_seconds = served_baseline if is_served else baseline
                 rs.append(r)
 
     lms = {id(lm): lm for m in models for lm in (m.target_lm, m.draft_lm, m.eagle3_lm) if lm is not None}
@@ -154,8 +174,11 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     drafts = {m.draft_lm.engine for m in models if m.draft_lm is not None}
     if drafts - {engine_used}:
         engine["draft_engines"] = sorted(drafts)
-    return [Evaluation(cfg, build_report(cfg, m, decoder, rs, prompts[0], engine, plan), rs)
-            for cfg, m, decoder, rs, plan in zip(cfgs, models, decoders, results, plans)]
+    evaluations = [Evaluation(cfg, build_report(cfg, m, decoder, rs, prompts[0], engine, plan), rs)
+                   for cfg, m, decoder, rs, plan in zip(cfgs, models, decoders, results, plans)]
+    if any(served):
+        models[0].served.close()
+    return evaluations
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True, decoder_factory: DecoderFactory | None = None) -> Evaluation:

@@ -18,6 +18,7 @@ from .costs import eagle3_step_seconds, forward_seconds, single_token_seconds
 from .loading import LoadedModels
 from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, metrics_by_category
 from .report import report_inputs
+from .vllm_backend import backend_info
 
 
 def environment(device: torch.device) -> dict:
@@ -49,7 +50,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
     k = 0 if cfg.drafter_kind == "none" else decoder.num_draft_tokens
     parallel = parallel_info(models.draft.config) if models.draft is not None else None
     cost = None
-    if k:
+    if k and cfg.backend == "drafttrain":  # vLLM's step costs are its own: no prediction from ours
         cost = 0.0  # n-gram lookup and heads cost next to nothing beside a target forward
         target_lm = models.target_lm or as_cached_lm(models.target)
         if parallel:  # one forward of the last token and K-1 masks per step, spread over its K drafts
@@ -84,6 +85,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
         "inputs": report_inputs(cfg.target),  # what `replay` checks its --target against
         "environment": environment(models.device),
         "numerics": num,
+        "backend": backend_info(cfg, decoder),  # SPEC §7
         "engine": dict(engine),
         **({"heads": models.heads_info} if models.heads_info else {}),
         **({"eagle3": models.eagle3_info} if models.eagle3_info else {}),

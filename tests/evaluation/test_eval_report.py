@@ -40,6 +40,7 @@ def make_report(rs, name="mydraft"):
         "environment": {"device": "cuda (NVIDIA H100)", "torch": "2.x", "transformers": "5.x"},
         "numerics": {"dtype": "bfloat16", "near_tie_tolerance": 0.5},
         "engine": {"requested": "auto", "used": "eager", "compile_seconds": 0.0},
+        "backend": {"name": "drafttrain", "version": "0.1.0"},
         "overall": compute_metrics(rs, K, True, **kwargs),
         "by_category": metrics_by_category(rs, K, True, **kwargs),
     }

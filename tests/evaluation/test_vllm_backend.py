@@ -1,0 +1,241 @@
+"""`--backend vllm` without vLLM: settings mapped to vLLM's speculative_config, what vLLM cannot
+serve as one error line, served steps counted as drafttrain counts them, and the whole served
+path of eval and compare through a stand-in engine that answers as vLLM's does (the real engine:
+test_vllm_served.py, where vLLM is installed)."""
+
+import json
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from eval_helpers import cli, one_error_line
+from tiny import greedy_reference, noisy_copy, save_pair, tiny_lm, tiny_tokenizer
+
+from drafttrain.errors import UserError
+from drafttrain.evaluation import vllm_backend
+from drafttrain.evaluation.compare import parse_drafter, served_checks, served_warnings
+from drafttrain.evaluation.config import EvalConfig
+from drafttrain.evaluation.metrics import PromptResult, compute_metrics
+from drafttrain.evaluation.run import Evaluation
+from drafttrain.evaluation.vllm_backend import served_generation, speculative_config
+
+
+def config(**kw):
+    base = dict(target="T", prompts=["p.jsonl"], out="o", num_draft_tokens=4)
+    return EvalConfig(**{**base, **kw})
+
+
+def test_each_drafter_becomes_vllms_speculative_config():
+    assert speculative_config(config(draft="D"), 4) == {"method": "draft_model", "model": "D",
+                                                        "num_speculative_tokens": 4}
+    assert speculative_config(config(draft="D"), 3, parallel={"pard_token": 9, "parallel_tokens": 4}) == {
+        "method": "draft_model", "model": "D", "num_speculative_tokens": 3, "parallel_drafting": True}
+    assert speculative_config(config(eagle3="E", tree="chain"), 4) == {"method": "eagle3", "model": "E",
+                                                                      "num_speculative_tokens": 4}
+    assert speculative_config(config(heads="H"), 3, num_heads=3) == {"method": "medusa", "model": "H",
+                                                                    "num_speculative_tokens": 3}
+    assert speculative_config(config(method="ngram", ngram_max=5), 4) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
+    assert speculative_config(config(method="none"), 4) is None
+    assert speculative_config(config(draft="D"), 0) is None  # the target alone: the served baseline
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(draft="D", num_draft_tokens="auto"), ["--num-draft-tokens auto", "fixed K"]),
+    (dict(draft="D", ngram=True), ["+ngram", "as one tree"]),
+    (dict(eagle3="E", tree="dynamic"), ["--tree dynamic", "--tree chain"]),
+    (dict(heads="H", tree="default"), ["--tree default", "chain"]),
+])
+def test_what_vllm_cannot_serve_is_refused_before_loading(kw, words):
+    with pytest.raises(UserError) as e:
+        config(backend="vllm", **kw).validate()
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_medusa_k_is_bounded_by_the_heads():
+    with pytest.raises(UserError, match="--num-draft-tokens 3 or less"):
+        speculative_config(config(heads="H"), 4, num_heads=3)
+
+
+@dataclass
+class Metrics:  # vLLM's RequestSpecDecodeMetrics, as much of it as is read
+    per_step_accepted: list
+    per_step_drafted: list
+
+
+def test_served_steps_count_the_prefill_and_the_steps_that_drafted_nothing():
+    # 12 tokens: token 1 from the prefill, drafting steps emitting 3, 1 and 5 tokens, and two
+    # decode steps where n-gram lookup found nothing (one token each).
+    gen = served_generation(list(range(12)), Metrics([2, 0, 4], [4, 4, 4]), None, forwards_per_step=1)
+    assert sorted(gen.accepted_lengths) == [0, 0, 0, 0, 2, 4] and len(gen.proposed_lengths) == 6
+    assert sum(gen.step_tokens) == 12 and gen.draft_forwards == 3
+    m = compute_metrics([PromptResult("a", "c", gen, 1.0)], 4, True)
+    assert m["mean_accepted_length"] == 12 / 6  # tokens per token-emitting target forward
+    assert m["mean_acceptance_length"] == 1 + 6 / 3  # vLLM's own figure: drafting steps only
+    assert m["per_position_acceptance_when_proposed"] == [2 / 3, 2 / 3, 1 / 3, 1 / 3]
+
+
+def test_plain_served_decoding_is_one_token_a_step_and_margins_come_from_logprobs():
+    lp = lambda x: SimpleNamespace(logprob=x)  # noqa: E731
+    gen = served_generation([5, 6, 2], None, [{5: lp(-0.1), 7: lp(-2.6)}, {6: lp(-1.0), 8: lp(-1.0)}, {2: lp(0.0)}])
+    assert gen.accepted_lengths == [0, 0, 0] and gen.step_tokens == [1, 1, 1]
+    assert gen.margins == pytest.approx([2.5, 0.0, float("inf")])
+    assert served_generation([], None, None).accepted_lengths == []
+
+
+def test_ours_mean_acceptance_length_skips_steps_that_drafted_nothing():
+    from drafttrain.decoding import Generation
+
+    gen = Generation(tokens=list(range(8)), accepted_lengths=[1, 0, 3], proposed_lengths=[4, 0, 4],
+                     step_tokens=[2, 1, 5])
+    assert compute_metrics([PromptResult("a", "c", gen, 1.0)], 4, True)["mean_acceptance_length"] == 1 + 4 / 2
+
+
+def test_compare_names_a_backend_per_drafter():
+    assert parse_drafter("a=draft:/x@vllm") == ("a", {"draft": "/x", "ngram": False, "backend": "vllm"})
+    assert parse_drafter("a=ngram@drafttrain") == ("a", {"method": "ngram", "backend": "drafttrain"})
+    assert parse_drafter("a=draft:/x@y") == ("a", {"draft": "/x@y", "ngram": False})  # an @ in a path stays
+    with pytest.raises(UserError, match="@vllm"):
+        parse_drafter("a=ngram@vllmm")
+
+
+def evaluation(name, backend, tau, kind="draft", divergences=0, near=0):
+    cfg = config(backend=backend, **({"draft": "D"} if kind == "draft" else {"method": kind}))
+    overall = {"mean_acceptance_length": tau, "outputs_match_baseline": 1.0 - divergences / 4,
+               "divergences": divergences, "divergences_at_near_ties": near}
+    return Evaluation(cfg, {"drafter": name, "overall": overall}, [])
+
+
+def test_served_checks_flag_a_tau_gap_beyond_3_percent_and_real_divergences():
+    ok = served_checks([evaluation("d", "drafttrain", 2.0), evaluation("d@vllm", "vllm", 2.05)])
+    assert [c["tau_flagged"] for c in ok] == [False] and served_warnings(ok) == []
+    bad = served_checks([evaluation("d", "drafttrain", 2.0), evaluation("d@vllm", "vllm", 1.9, divergences=2, near=1)])
+    assert bad[0]["relative_difference"] == pytest.approx(-0.05) and bad[0]["outputs_flagged"]
+    lines = served_warnings(bad)
+    assert len(lines) == 2 and all(line.startswith("warning: d@vllm:") for line in lines)
+    assert "-5.0%" in lines[0] and "1 prompt(s)" in lines[1]
+    ngram = served_warnings(served_checks([evaluation("n", "drafttrain", 1.5, "ngram"),
+                                           evaluation("n@vllm", "vllm", 1.7, "ngram")]))
+    assert len(ngram) == 1 and "earliest match" in ngram[0]
+    assert served_checks([evaluation("d", "drafttrain", 2.0), evaluation("e", "vllm", 2.0, "ngram")]) == []
+
+
+# ----------------------------------------------------------------------------- the served path
+
+
+class StandInLLM:
+    """Answers `generate` as vLLM's LLM does (token ids, per-step spec metrics, top-2 logprobs),
+    from the target's own greedy output: plain decoding one token a step; with a drafter, the
+    prefill's token then steps that accept all K drafts but the last step's."""
+
+    def __init__(self, target, k):
+        self.target, self.k = target, k
+
+    def generate(self, requests, params, use_tqdm=False):
+        ids = requests[0]["prompt_token_ids"]
+        tokens = greedy_reference(self.target, ids, params.max_tokens, eos=2)
+        metrics = None
+        if self.k:
+            steps = [min(self.k + 1, len(tokens) - 1 - i) for i in range(0, len(tokens) - 1, self.k + 1)]
+            metrics = Metrics([s - 1 for s in steps], [self.k] * len(steps))
+        logprobs = None
+        if params.logprobs:
+            with torch.no_grad():
+                logits = self.target(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].log_softmax(-1)
+            logprobs = [{int(i): SimpleNamespace(logprob=float(v)) for v, i in zip(*row.topk(2))} for row in logits]
+        out = SimpleNamespace(token_ids=tokens, spec_decode_metrics=metrics, logprobs=logprobs)
+        return [SimpleNamespace(outputs=[out])]
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    started = []
+
+    def start(self, key, *, target, dtype, device, seed, max_model_len, spec):
+        from drafttrain.models import load_causal_lm
+
+        started.append(spec)
+        self.start_seconds[key] = 0.5
+        self.sampling_params = SimpleNamespace
+        return StandInLLM(load_causal_lm(target, torch.float64, torch.device("cpu"), "target"),
+                          spec["num_speculative_tokens"] if spec else 0)
+
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: "0.0-stand-in")
+    monkeypatch.setattr(vllm_backend.ServedEngines, "_start", start)
+    return started
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    tok = tiny_tokenizer(64)
+    target = tiny_lm(0, dtype=torch.float64)
+    save_pair(root / "target", target, tok)
+    save_pair(root / "draft", noisy_copy(target), tok)
+    (root / "p.jsonl").write_text("".join(json.dumps({"id": i, "prompt": " ".join(f"w{j}" for j in range(5 + i, 12 + i))})
+                                          + "\n" for i in range(3)))
+    return root
+
+
+def test_compare_puts_served_rows_beside_ours(files, tmp_path, stand_in, capsys):
+    out = tmp_path / "cmp"
+    code, stdout, err = cli(capsys, [
+        "compare", "--target", str(files / "target"), "--drafter", f"d=draft:{files / 'draft'}",
+        "--drafter", f"d-served=draft:{files / 'draft'}@vllm", "--drafter", "n-served=ngram@vllm",
+        "--prompts", str(files / "p.jsonl"), "--max-new-tokens", "10", "--num-draft-tokens", "3", "--dtype", "float64",
+        "--out", str(out), "--quiet"])
+    assert code == 0, err
+    # One plain engine (the served rows' baseline) and one per served drafter, each started once.
+    assert sorted(str(s and s["method"]) for s in stand_in) == ["None", "draft_model", "ngram"]
+    reports = {n: json.loads((out / n / "report.json").read_text()) for n in ("d", "d-served", "n-served")}
+    assert reports["d"]["backend"]["name"] == "drafttrain"
+    served = reports["d-served"]
+    assert served["backend"]["name"] == "vllm" and served["backend"]["version"] == "0.0-stand-in"
+    assert served["backend"]["speculative_config"]["model"] == str(files / "draft")
+    assert served["backend"]["engine_start_seconds"] == 0.5
+    o = served["overall"]
+    assert o["outputs_match_baseline"] == 1.0 and o["divergences"] == 0  # against the served plain decoding
+    assert o["new_tokens"] == 30 and "predicted" not in o  # no prediction from drafttrain's costs
+    # 10 tokens: the prefill's, then steps of 4, 4 and 1: every draft accepted but the last step's one.
+    assert o["mean_acceptance_length"] == pytest.approx(1 + 6 / 3)
+    assert o["target_forwards"] == 3 * 4 and o["draft_tokens"] == 3 * 9
+    assert reports["d"]["overall"]["baseline_tokens_per_s"] != o["baseline_tokens_per_s"]  # each its own baseline
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert [r["backend"] for r in comparison["drafters"]] == ["drafttrain", "vllm", "vllm"]
+    (check,) = comparison["served_checks"]
+    assert (check["drafttrain"], check["vllm"]) == ("d", "d-served")
+    assert check["mean_acceptance_length"]["vllm"] == pytest.approx(3.0)
+    assert "## Served acceptance" in (out / "comparison.md").read_text()
+    outputs = [json.loads(line) for line in (out / "d-served" / "outputs.jsonl").read_text().splitlines()]
+    ours = [json.loads(line) for line in (out / "d" / "outputs.jsonl").read_text().splitlines()]
+    assert [r["speculative_token_ids"] for r in outputs] == [r["speculative_token_ids"] for r in ours]  # both lossless
+
+
+def test_eval_backend_vllm_without_vllm_is_one_error_line(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: None)
+    out = tmp_path / "r"
+    code, stdout, err = cli(capsys, ["eval", "--target", str(files / "target"), "--method", "ngram", "--backend", "vllm",
+                                     "--prompts", str(files / "p.jsonl"), "--out", str(out)])
+    one_error_line(code, stdout, err, "--backend vllm", "drafttrain[vllm]")
+    assert not out.exists()
+
+
+def test_only_the_backend_module_imports_vllm():
+    import ast
+    from pathlib import Path
+
+    import drafttrain
+
+    def imports_vllm(path):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                return True
+        return False
+
+    root = Path(drafttrain.__file__).parent
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if imports_vllm(p)) == [
+        "evaluation/vllm_backend.py"]
