@@ -49,7 +49,7 @@ from drafttrain.parallel import mark_parallel, mask_token_id, parallel_info, par
 from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded
-from drafttrain.training.acceptance import held_out_acceptance, table_row
+from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
 
 LossKind = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
@@ -298,11 +298,20 @@ class DistillRecipe(Recipe):
         planned = ({"planned K (drafttrain.json)": f"{plans['gpu_batch1']['num_draft_tokens']} on a GPU at batch 1 "
                     f"(vLLM num_speculative_tokens), {plans['this_machine']['num_draft_tokens']} on the training "
                     "machine (0: no speculation pays there)"} if plans else {})
-        export_draft(model, self.tokenizer, self.out / "final", eos_token_id=self.export_eos, acceptance_table=rows,
-                     base_info={**self.card_info, "loss": cfg.loss.kind, "training steps": result.step,
-                                "exported weights": f"step {result.best_step} ({chosen})",
-                                "held-out prompts": len(self.prompts), **planned},
-                     record=held_out_record(final, len(self.prompts)) | {"plans": plans})
+
+        def write(rows: list[dict]) -> None:
+            export_draft(model, self.tokenizer, self.out / "final", eos_token_id=self.export_eos, acceptance_table=rows,
+                         base_info={**self.card_info, "loss": cfg.loss.kind, "training steps": result.step,
+                                    "exported weights": f"step {result.best_step} ({chosen})",
+                                    "held-out prompts": len(self.prompts), **planned},
+                         record=held_out_record(final, len(self.prompts)) | {"plans": plans})
+
+        write(rows)
+        served = served_row(self.out / "final", "draft", cfg.target, self.prompts, dtype=cfg.export_dtype,
+                            num_draft_tokens=cfg.eval.num_draft_tokens, max_new_tokens=cfg.eval.max_new_tokens,
+                            eos_token_ids=set(self.eos_ids))
+        if served:  # vLLM is installed: the card also shows the export as vLLM serves it
+            write(rows + [served])
 
     def plans(self, model, final: dict) -> dict:
         """K planned from the held-out acceptance, for this machine (measured) and a GPU at batch 1."""

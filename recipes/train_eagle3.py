@@ -48,7 +48,7 @@ from drafttrain.eagle3.vocab import build_draft_vocab
 from drafttrain.errors import UserError
 from drafttrain.models import DTYPES
 from drafttrain.tokens import output_vocab_size
-from drafttrain.training.acceptance import held_out_acceptance, table_row
+from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
 from drafttrain.training.distributed import is_sharded
 from drafttrain.training.frozen import gathered
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
@@ -269,13 +269,22 @@ class Eagle3Recipe(Recipe):
                 table_row(f"final (step {result.best_step}), {how(cfg.eval.tree)}", final),
                 table_row(f"final (step {result.best_step}), {how(other)}", other_metrics)]
         chosen = "best held-out tau" if cfg.train.keep_best else "last"
-        save_eagle3(model.to(DTYPES[cfg.export_dtype]), self.out / "final", acceptance_table=rows,
-                    base_info={"target": cfg.target, "recipe": f"drafttrain {self.script}",
-                               "draft vocabulary": f"{model.config.draft_vocab_size} most frequent target tokens",
-                               "training-time-test steps": cfg.loss.ttt_steps, "teacher": self.teacher_kind,
-                               "training steps": result.step,
-                               "exported weights": f"step {result.best_step} ({chosen})",
-                               "held-out prompts": len(self.prompts)})
+
+        def write(rows: list[dict]) -> None:
+            save_eagle3(model.to(DTYPES[cfg.export_dtype]), self.out / "final", acceptance_table=rows,
+                        base_info={"target": cfg.target, "recipe": f"drafttrain {self.script}",
+                                   "draft vocabulary": f"{model.config.draft_vocab_size} most frequent target tokens",
+                                   "training-time-test steps": cfg.loss.ttt_steps, "teacher": self.teacher_kind,
+                                   "training steps": result.step,
+                                   "exported weights": f"step {result.best_step} ({chosen})",
+                                   "held-out prompts": len(self.prompts)})
+
+        write(rows)
+        served = served_row(self.out / "final", "eagle3", cfg.target, self.prompts, dtype=cfg.export_dtype,
+                            num_draft_tokens=cfg.eval.num_draft_tokens, max_new_tokens=cfg.eval.max_new_tokens,
+                            eos_token_ids=set(self.eos_ids))
+        if served:  # vLLM is installed: the card also shows the export as vLLM serves it (a chain)
+            write(rows + [served])
 
 
 class Eagle3Collator(TrainingCollator):

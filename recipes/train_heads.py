@@ -49,7 +49,7 @@ from drafttrain.trees import tree_from_accuracies
 from drafttrain.models import DTYPES
 from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size
-from drafttrain.training.acceptance import held_out_acceptance, table_row
+from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
 
 # ----------------------------------------------------------------------------- config
@@ -227,8 +227,16 @@ class HeadsRecipe(Recipe):
         return {"calibrated": calibrated}
 
     def export(self, result, initial: dict, final: dict, extra: dict) -> None:
-        export_final(result.model, self.config, self.tokenizer, self.out / "final", result.step, result.best_step,
-                     initial, final, len(self.prompts), calibrated=extra.get("calibrated"))
+        cfg, final_dir = self.config, self.out / "final"
+        args = (result.model, cfg, self.tokenizer, final_dir, result.step, result.best_step, initial, final,
+                len(self.prompts))
+        export_final(*args, calibrated=extra.get("calibrated"))
+        verifier = str(final_dir / "target") if cfg.lora.enabled else cfg.target
+        served = served_row(final_dir, "medusa", verifier, self.prompts, dtype=cfg.export_dtype,
+                            num_draft_tokens=cfg.heads.num_heads, max_new_tokens=cfg.eval.max_new_tokens,
+                            eos_token_ids=set(self.eos_ids))
+        if served:  # vLLM is installed: the card also shows the heads as vLLM serves them (a chain)
+            export_final(*args, calibrated=extra.get("calibrated"), served=served)
 
     def calibrate_tree(self, module: nn.Module) -> dict:
         """The trained heads' top-k accuracy on the held-out prompts, the tree it implies, and that
@@ -305,7 +313,8 @@ def heads_acceptance(target, heads: MedusaHeads, prompts: list[EncodedPrompt], *
 
 
 def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path, steps: int, best_step: int,
-                 initial: dict, final: dict, num_prompts: int, calibrated: dict | None = None) -> None:
+                 initial: dict, final: dict, num_prompts: int, calibrated: dict | None = None,
+                 served: dict | None = None) -> None:
     """final/: the heads in vLLM's format (with the calibrated tree, if any); Medusa-2 also target/,
     the merged adapted target (the verifier). Written into one temporary directory and renamed,
     so heads never point at a half-written verifier."""
@@ -317,6 +326,7 @@ def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path
     if calibrated:
         info |= {"tree": calibrated["tree"], "topk_accuracy": calibrated["topk_accuracy"]}
         rows.append(table_row(f"trained, calibrated tree ({len(calibrated['tree'])} nodes)", calibrated))
+    rows += [served] if served else []
     with atomic_dir(final_dir, overwrite=True) as tmp:
         save_medusa(heads, tmp, extra={"drafttrain": info, "base_model": verifier or cfg.target},
                     card_notes=card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows)))

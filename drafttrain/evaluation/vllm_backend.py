@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -126,7 +127,7 @@ class ServedEngines:
         from vllm import LLM, SamplingParams
 
         self.sampling_params = SamplingParams
-        kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES} if device == "cpu" else {}
+        kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES}  # not a share of memory: training may hold the rest
         start = time.perf_counter()
         try:
             llm = LLM(model=target, dtype=dtype, seed=seed, max_model_len=max_model_len, speculative_config=spec,
@@ -207,6 +208,31 @@ def backend_info(cfg: EvalConfig, decoder) -> dict:
                         "at max_new_tokens"}
 
 
+def serve_export(export: str, kind: str, target: str, prompts: list[list[int]], *, k: int, max_new_tokens: int,
+                 eos: set[int], dtype: str, device: str = "cpu") -> list[Generation] | None:
+    """Greedy decoding of `prompts` by vLLM serving `export` (a draft LM, `medusa` heads or an
+    `eagle3` draft) as a chain of K, for a recipe's final evaluation: one Generation per prompt,
+    or None where vLLM is not installed."""
+    if vllm_version() is None:
+        return None
+    from pathlib import Path
+
+    config = json.loads((Path(export) / "config.json").read_text())
+    field = {"draft": "draft", "medusa": "heads", "eagle3": "eagle3"}[kind]
+    cfg = EvalConfig(target=target, prompts=["-"], out="-", backend="vllm", num_draft_tokens=k, tree="chain",
+                     **{field: export})
+    parallel = parallel_info(SimpleNamespace(**config)) if kind == "draft" else None
+    spec = speculative_config(cfg, k, parallel, config.get("num_heads") if kind == "medusa" else None)
+    engines = ServedEngines(max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8)
+    llm, _ = engines.get(target=target, dtype=dtype, device=device, seed=0, spec=spec)
+    decoder = ServedDecoder(llm, engines.sampling_params, num_draft_tokens=k, temperature=0.0, top_p=1.0, seed=0,
+                            eos=frozenset(eos), forwards_per_step=0)
+    try:
+        return [decoder.generate(p, max_new_tokens) for p in prompts]
+    finally:
+        engines.close()
+
+
 def served_generation(tokens: list[int], metrics, logprobs, forwards_per_step: int = 0) -> Generation:
     """drafttrain's record of one served request. Every target forward that emitted tokens is a
     step: the prefill (it emitted token 1, drafting nothing), vLLM's drafting steps from its
@@ -231,4 +257,4 @@ def served_generation(tokens: list[int], metrics, logprobs, forwards_per_step: i
 
 
 __all__ = ["INSTALL", "ServedDecoder", "ServedEngines", "backend_info", "check_servable", "require_vllm",
-           "served_decoder", "served_generation", "speculative_config", "vllm_version"]
+           "serve_export", "served_decoder", "served_generation", "speculative_config", "vllm_version"]

@@ -54,10 +54,36 @@ def greedy_acceptance(decoder, prompts: list[EncodedPrompt], max_new_tokens: int
             **(extra or {})}
 
 
+def served_acceptance(export_dir, kind: str, target: str, prompts: list[EncodedPrompt], *, num_draft_tokens: int,
+                      max_new_tokens: int, eos_token_ids: set[int], dtype: str) -> dict | None:
+    """The export served by vLLM on the same held-out prompts (greedy, a chain of K), as
+    `greedy_acceptance` reports it with `backend` added; None where vLLM is not installed (the
+    recipes then export as before). A recipe adds it to the model card, so that a user sees the
+    trained and the served acceptance agree before deploying."""
+    from ..evaluation.vllm_backend import serve_export, vllm_version
+
+    gens = serve_export(str(export_dir), kind, target, [p.ids for p in prompts], k=num_draft_tokens,
+                        max_new_tokens=max_new_tokens, eos=eos_token_ids, dtype=dtype)
+    if gens is None:
+        return None
+    results = [PromptResult(p.id, p.category, g, 0.0) for p, g in zip(prompts, gens)]
+    m = compute_metrics(results, num_draft_tokens, greedy=True)
+    return {"tau": m["mean_accepted_length"], **{key: m[key] for key in ACCEPTANCE_KEYS},
+            "num_draft_tokens": num_draft_tokens, "backend": f"vllm {vllm_version()}"}
+
+
+def served_row(export_dir, kind: str, target: str, prompts: list[EncodedPrompt], **kw) -> dict | None:
+    """The model card's served row (None without vLLM)."""
+    served = served_acceptance(export_dir, kind, target, prompts, **kw)
+    if served is None:
+        return None
+    return table_row(f"served: {served['backend']}, chain of {served['num_draft_tokens']}", served)
+
+
 def table_row(name: str, metrics: dict) -> dict:
     """One row of the exported acceptance table, from an evaluation's metrics."""
     return {"drafter": name, "num_draft_tokens": metrics["num_draft_tokens"], "tau": metrics["tau"],
             "acceptance_rate": metrics["acceptance_rate"], "per_position_acceptance": metrics["per_position_acceptance"]}
 
 
-__all__ = ["eval_prompts", "greedy_acceptance", "held_out_acceptance", "table_row"]
+__all__ = ["eval_prompts", "greedy_acceptance", "held_out_acceptance", "served_acceptance", "served_row", "table_row"]

@@ -239,3 +239,25 @@ def test_only_the_backend_module_imports_vllm():
     root = Path(drafttrain.__file__).parent
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if imports_vllm(p)) == [
         "evaluation/vllm_backend.py"]
+
+
+def test_a_recipes_served_row_comes_from_vllm_or_not_at_all(monkeypatch, tmp_path):
+    from drafttrain.prompts import EncodedPrompt
+    from drafttrain.training import acceptance
+
+    prompts = [EncodedPrompt(id="a", category="c", ids=[5, 6, 7])]
+    kw = dict(num_draft_tokens=3, max_new_tokens=9, eos_token_ids={2}, dtype="float32")
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: None)
+    assert acceptance.served_row(tmp_path, "draft", "T", prompts, **kw) is None  # no vLLM: the card is unchanged
+    calls = []
+
+    def serve(export, kind, target, ids, **kwargs):
+        calls.append((export, kind, target, ids, kwargs["k"]))
+        return [served_generation(list(range(9)), Metrics([3, 3], [3, 3]), None)]
+
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: "9.9")
+    monkeypatch.setattr(vllm_backend, "serve_export", serve)
+    row = acceptance.served_row(tmp_path, "draft", "T", prompts, **kw)
+    assert calls == [(str(tmp_path), "draft", "T", [[5, 6, 7]], 3)]
+    assert row["drafter"] == "served: vllm 9.9, chain of 3"
+    assert row["tau"] == 9 / 3 and row["per_position_acceptance"] == [2 / 3, 2 / 3, 2 / 3]
