@@ -142,7 +142,12 @@ class ServedEngines:
         return llm
 
     def close(self) -> None:
-        self.engines.clear()  # vLLM frees an in-process engine with its last reference
+        """Stop every engine's core process now, not at interpreter exit (decoders still hold them)."""
+        for llm in self.engines.values():
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if callable(getattr(core, "shutdown", None)):
+                core.shutdown()
+        self.engines.clear()
 
 
 @dataclass
