@@ -45,7 +45,7 @@ from drafttrain.medusa.calibrate import head_topk_accuracy
 from drafttrain.medusa.export import save_medusa
 from drafttrain.medusa.loss import HeadsObjective, JointObjective
 from drafttrain.medusa.model import MedusaHeads
-from drafttrain.trees import tree_from_accuracies
+from drafttrain.trees import chain_tree, tree_from_accuracies
 from drafttrain.models import DTYPES
 from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size
@@ -232,11 +232,18 @@ class HeadsRecipe(Recipe):
                 len(self.prompts))
         export_final(*args, calibrated=extra.get("calibrated"))
         verifier = str(final_dir / "target") if cfg.lora.enabled else cfg.target
+        k = cfg.heads.num_heads
         served = served_row(final_dir, "medusa", verifier, self.prompts, dtype=cfg.export_dtype,
-                            num_draft_tokens=cfg.heads.num_heads, max_new_tokens=cfg.eval.max_new_tokens,
+                            num_draft_tokens=k, max_new_tokens=cfg.eval.max_new_tokens,
                             eos_token_ids=set(self.eos_ids))
-        if served:  # vLLM is installed: the card also shows the heads as vLLM serves them (a chain)
-            export_final(*args, calibrated=extra.get("calibrated"), served=served)
+        if served:  # vLLM is installed. It serves the heads as one top-1 chain, not as our tree: the card
+            # shows that chain as drafttrain decodes it beside vLLM's figure, the setting a user deploys.
+            module = result.model.eval()
+            chain = heads_acceptance(self.verifier(module), module.heads, self.prompts, tree_depth=k,
+                                     max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=set(self.eos_ids),
+                                     tree=chain_tree(k))
+            export_final(*args, calibrated=extra.get("calibrated"),
+                         served=[table_row(f"trained, chain of {k} (what vLLM serves)", chain), served])
 
     def calibrate_tree(self, module: nn.Module) -> dict:
         """The trained heads' top-k accuracy on the held-out prompts, the tree it implies, and that
@@ -314,7 +321,7 @@ def heads_acceptance(target, heads: MedusaHeads, prompts: list[EncodedPrompt], *
 
 def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path, steps: int, best_step: int,
                  initial: dict, final: dict, num_prompts: int, calibrated: dict | None = None,
-                 served: dict | None = None) -> None:
+                 served: list[dict] | None = None) -> None:
     """final/: the heads in vLLM's format (with the calibrated tree, if any); Medusa-2 also target/,
     the merged adapted target (the verifier). Written into one temporary directory and renamed,
     so heads never point at a half-written verifier."""
@@ -326,7 +333,7 @@ def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path
     if calibrated:
         info |= {"tree": calibrated["tree"], "topk_accuracy": calibrated["topk_accuracy"]}
         rows.append(table_row(f"trained, calibrated tree ({len(calibrated['tree'])} nodes)", calibrated))
-    rows += [served] if served else []
+    rows += served or []
     with atomic_dir(final_dir, overwrite=True) as tmp:
         save_medusa(heads, tmp, extra={"drafttrain": info, "base_model": verifier or cfg.target},
                     card_notes=card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows)))

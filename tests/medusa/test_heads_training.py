@@ -272,3 +272,32 @@ def test_bad_config_is_one_error_line(setup, tmp_path, capsys, overrides, needle
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_with_vllm_the_card_shows_the_served_chain_beside_drafttrains_chain(setup, tmp_path, monkeypatch, capsys):
+    """vLLM serves Medusa heads as one top-1 chain of num_heads, not as the calibrated tree: the
+    card then shows that chain as drafttrain decodes it (checked against `drafttrain eval --tree
+    chain`) beside vLLM's row (a stand-in engine here: the real one is test_vllm_served.py)."""
+    from types import SimpleNamespace
+
+    from drafttrain.evaluation import vllm_backend
+
+    served = []
+
+    def serve(export, kind, target, prompts, *, k, **kw):
+        served.append((kind, k))  # every prompt: 7 tokens, the prefill's and two steps accepting 1 and 3 of 3
+        return [vllm_backend.served_generation(list(range(7)), SimpleNamespace(per_step_accepted=[1, 3],
+                                                                              per_step_drafted=[3, 3]), None)
+                for _ in prompts]
+
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: "9.9")
+    monkeypatch.setattr(vllm_backend, "serve_export", serve)
+    out = tmp_path / "run"
+    assert run_recipe(setup, out, "train.max_steps=20", "train.eval_every=10", "train.checkpoint_every=0") == 0
+    assert served == [("medusa", 3)]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in (out / "final" / "README.md").read_text().splitlines() if line.startswith("| ")}
+    assert rows["served: vllm 9.9, chain of 3"][:2] == ["3", "2.33"]  # 7 tokens in 3 token-emitting forwards
+    report = run_eval(setup / "target", out / "final", out / "heldout.jsonl", tmp_path / "eval", capsys, tree="chain")
+    assert report["overall"]["tree"] == "chain"
+    assert rows["trained, chain of 3 (what vLLM serves)"][1] == f"{report['overall']['mean_accepted_length']:.2f}"
