@@ -2,7 +2,8 @@
 
 - `base`: the cached-LM interface every decoder uses, the only way it touches a model;
 - `eager`: the model's own forward on transformers' DynamicCache (the reference, any model);
-- `matmul`: few-row linear layers on CPU taken as `W · xᵀ` (both engines install it);
+- `matmul`: few-row linear layers on CPU taken as `W · xᵀ` where this machine computes that faster
+  (measured per weight shape; both engines install it);
 - `static`: a preallocated cache and fixed-shape compiled steps (`compiled`, CUDA graphs on CUDA).
 
 A new architecture for the static engine goes in `static.py` (`static_support` and its step).

@@ -1,4 +1,5 @@
-"""Decode-time linear layers on CPU: `W · xᵀ` instead of `x · Wᵀ` for a few rows.
+"""Decode-time linear layers on CPU: `W · xᵀ` instead of `x · Wᵀ` for a few rows, where this
+machine computes it faster.
 
 Speculative decoding lives on forwards of 2 .. K+1 tokens, so its speedup is set by how much
 more such a forward costs than a 1-token one. On CPU, PyTorch's `F.linear(x, W)` for a few rows
@@ -13,6 +14,13 @@ MKL's narrow kernel for exactly 3 columns is slower than its 4-column one (SmolL
 3 tokens 118 ms, 4 tokens 96 ms), so 3 rows are padded to 4 (`PADDED_ROWS`): a verification
 of 2 drafts then costs what one of 3 does.
 
+Which is faster depends on the BLAS and the CPU, so it is measured, not assumed: on the 2 Intel
+Xeon cores of a later machine (MKL again) `F.linear` was the fast one, 2 to 8 rows costing about
+what 1 does, and `W · xᵀ` 3-4× slower (SmolLM2's MLP, 2 rows: 29 against 114 µs). Installing the
+path times both products on each weight shape for every row count (interleaved repeats, medians,
+once per process and shape: `faster_rows`) and keeps `W · xᵀ` only for the row counts where it
+wins clearly.
+
 The result is the same product up to float rounding; baseline and speculative decoding run the
 same model, so they share it (each report's `match baseline` checks equality). Only 2 to
 `MAX_ROWS` rows take this path: one row is already the GEMV, and prefill keeps the BLAS GEMM,
@@ -24,34 +32,77 @@ through float32 inside, as Qwen3's q/k norms do, turns a 1e-17 difference into 1
 
 from __future__ import annotations
 
+import time
 import types
+from statistics import median
 
 import torch
 
 MAX_ROWS = 16
 PADDED_ROWS = {3: 4}  # rows -> the width that computes them faster (zero rows added, dropped after)
+CLEAR_WIN = 0.85  # W · xᵀ is kept where it takes less than this share of F.linear's time
+REPEATS = 5
+_FASTER: dict[tuple[int, int], frozenset[int]] = {}  # weight shape -> row counts where W · xᵀ wins
+
+
+def _mm_product(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    rows = flat.shape[0]
+    width = PADDED_ROWS.get(rows, rows)
+    if width > rows:
+        flat = torch.cat([flat, flat.new_zeros(width - rows, flat.shape[1])])
+    return torch.mm(weight, flat.t()).t()[:rows]
+
+
+@torch.no_grad()
+def product_seconds(weight: torch.Tensor, rows: int) -> tuple[float, float]:
+    """Median seconds of (W · xᵀ, F.linear) for `rows` random rows against `weight`, interleaved."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    products = (lambda: _mm_product(weight, x), lambda: torch.nn.functional.linear(x, weight))
+    times: tuple[list[float], list[float]] = ([], [])
+    for product in products:
+        product()  # warm
+    for _ in range(REPEATS):
+        for product, spent in zip(products, times):
+            start = time.perf_counter()
+            product()
+            spent.append(time.perf_counter() - start)
+    return median(times[0]), median(times[1])
+
+
+def faster_rows(weight: torch.Tensor, measure=product_seconds) -> frozenset[int]:
+    """The row counts (2 .. MAX_ROWS) for which `W · xᵀ` beats `F.linear` clearly on this machine,
+    measured once per weight shape and process."""
+    shape = tuple(weight.shape)
+    if shape not in _FASTER:
+        wins = []
+        for rows in range(2, MAX_ROWS + 1):
+            mm, linear = measure(weight, rows)
+            if mm < CLEAR_WIN * linear:
+                wins.append(rows)
+        _FASTER[shape] = frozenset(wins)
+    return _FASTER[shape]
 
 
 def _skinny_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 < rows <= MAX_ROWS:  # one row is BLAS's GEMV already
+    if rows not in self.skinny_rows:  # one row is BLAS's GEMV already; elsewhere F.linear is as fast
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    flat = x.reshape(rows, x.shape[-1])
-    width = PADDED_ROWS.get(rows, rows)
-    if width > rows:
-        flat = torch.cat([flat, flat.new_zeros(width - rows, flat.shape[1])])
-    y = torch.mm(self.weight, flat.t()).t()[:rows]
+    y = _mm_product(self.weight, x.reshape(rows, x.shape[-1]))
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-def use_skinny_matmuls(model: torch.nn.Module) -> None:
-    """Give every float32 `nn.Linear` of a CPU model the few-rows path. Idempotent."""
+def use_skinny_matmuls(model: torch.nn.Module, rows_for=faster_rows) -> None:
+    """Give every float32 `nn.Linear` of a CPU model the few-rows path, for the row counts where it
+    is faster here (none: the layer is left as it is). Idempotent."""
     for module in model.modules():
         if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
                 and module.weight.dtype == torch.float32 and "forward" not in module.__dict__):
-            module.forward = types.MethodType(_skinny_linear, module)
+            rows = rows_for(module.weight)
+            if rows:
+                module.skinny_rows = rows
+                module.forward = types.MethodType(_skinny_linear, module)
 
 
-__all__ = ["MAX_ROWS", "use_skinny_matmuls"]
+__all__ = ["MAX_ROWS", "faster_rows", "use_skinny_matmuls"]

@@ -1,10 +1,13 @@
-"""The few-rows linear path (float32) equals nn.Linear's product, keeps autograd, and leaves other models alone."""
+"""The few-rows linear path (float32) equals nn.Linear's product, keeps autograd, is taken only for
+the row counts where this machine computes it faster, and leaves other models alone."""
 
 import pytest
 import torch
 
-from drafttrain.decoding.engines import use_skinny_matmuls
-from drafttrain.decoding.engines.matmul import MAX_ROWS
+from drafttrain.decoding.engines import matmul, use_skinny_matmuls
+from drafttrain.decoding.engines.matmul import MAX_ROWS, faster_rows
+
+EVERY_ROW_COUNT = frozenset(range(2, MAX_ROWS + 1))
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 24), (1, 3, 24), (3, 24), (1, 5, 24), (2, 3, 24), (MAX_ROWS, 24), (1, MAX_ROWS + 1, 24), (0, 24)])
@@ -14,7 +17,7 @@ def test_the_skinny_product_equals_linear(shape, bias):
     layer = torch.nn.Linear(24, 40, bias=bias)
     x = torch.randn(*shape)
     reference = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    use_skinny_matmuls(layer)
+    use_skinny_matmuls(layer, rows_for=lambda w: EVERY_ROW_COUNT)
     assert "forward" in layer.__dict__
     out = layer(x)
     assert out.shape == reference.shape
@@ -26,17 +29,50 @@ def test_gradients_flow_through_the_skinny_product():
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8, requires_grad=True)
     expected = torch.autograd.grad(torch.nn.functional.linear(x, layer.weight, layer.bias).sum(), [x, layer.weight])
-    use_skinny_matmuls(layer)
+    use_skinny_matmuls(layer, rows_for=lambda w: EVERY_ROW_COUNT)
     got = torch.autograd.grad(layer(x).sum(), [x, layer.weight])
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
 
 
+def test_the_path_is_kept_only_where_it_is_measured_clearly_faster(monkeypatch):
+    monkeypatch.setattr(matmul, "_FASTER", {})
+    measured = []
+
+    def measure(weight, rows):  # W·xᵀ twice as fast for even rows, a hair faster (not clearly) for odd
+        measured.append((tuple(weight.shape), rows))
+        return (1.0, 2.0) if rows % 2 == 0 else (0.95, 1.0)
+
+    weight = torch.randn(40, 24)
+    assert faster_rows(weight, measure) == frozenset(range(2, MAX_ROWS + 1, 2))
+    assert faster_rows(weight, measure) == frozenset(range(2, MAX_ROWS + 1, 2))
+    assert measured == [((40, 24), rows) for rows in range(2, MAX_ROWS + 1)]  # once per shape
+
+    layer = torch.nn.Linear(24, 40)
+    use_skinny_matmuls(layer, rows_for=lambda w: faster_rows(w, measure))
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a[1].shape[1]) or real_mm(*a))
+    for rows in (1, 2, 3, 4):
+        layer(torch.randn(rows, 24))
+    assert calls == [2, 4]  # only the even row counts took W·xᵀ
+
+    slower = torch.nn.Linear(24, 8)  # where W·xᵀ never wins, the layer is left as it was
+    use_skinny_matmuls(slower, rows_for=lambda w: frozenset())
+    assert "forward" not in slower.__dict__
+
+
+def test_the_real_measurement_covers_every_row_count(monkeypatch):
+    monkeypatch.setattr(matmul, "_FASTER", {})
+    rows = faster_rows(torch.randn(16, 8))
+    assert rows <= EVERY_ROW_COUNT
+
+
 def test_only_cpu_float_linears_of_the_model_change_and_twice_is_once():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).half(), torch.nn.Embedding(3, 4),
                                 torch.nn.Linear(4, 4).double())
-    use_skinny_matmuls(model)
+    use_skinny_matmuls(model, rows_for=lambda w: EVERY_ROW_COUNT)
     first = model[0].forward
-    use_skinny_matmuls(model)
+    use_skinny_matmuls(model, rows_for=lambda w: EVERY_ROW_COUNT)
     assert model[0].forward is first
     assert all("forward" not in m.__dict__ for m in model[1:])  # float16, not a Linear, float64
