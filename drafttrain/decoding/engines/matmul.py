@@ -93,12 +93,21 @@ def _skinny_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
+def _whole_weight(weight: torch.Tensor) -> bool:
+    """A weight this process holds whole: DeepSpeed ZeRO-3 leaves each rank an empty 1-D stand-in
+    (tagged `ds_id`) that its hooks gather only around a forward, so it can neither be timed nor
+    multiplied outside one."""
+    return weight.dim() == 2 and weight.numel() > 0 and not hasattr(weight, "ds_id")
+
+
 def use_skinny_matmuls(model: torch.nn.Module, rows_for=faster_rows) -> None:
     """Give every float32 `nn.Linear` of a CPU model the few-rows path, for the row counts where it
-    is faster here (none: the layer is left as it is). Idempotent."""
+    is faster here (none: the layer is left as it is). Idempotent. Layers whose weight is sharded
+    away (ZeRO-3) keep their own forward."""
     for module in model.modules():
         if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
-                and module.weight.dtype == torch.float32 and "forward" not in module.__dict__):
+                and module.weight.dtype == torch.float32 and "forward" not in module.__dict__
+                and _whole_weight(module.weight)):
             rows = rows_for(module.weight)
             if rows:
                 module.skinny_rows = rows

@@ -76,3 +76,14 @@ def test_only_cpu_float_linears_of_the_model_change_and_twice_is_once():
     use_skinny_matmuls(model, rows_for=lambda w: EVERY_ROW_COUNT)
     assert model[0].forward is first
     assert all("forward" not in m.__dict__ for m in model[1:])  # float16, not a Linear, float64
+
+
+def test_a_weight_sharded_away_by_zero3_is_left_alone():
+    """DeepSpeed ZeRO-3 leaves each rank an empty 1-D stand-in for a weight (tagged ds_id): it can be
+    neither timed nor multiplied outside a forward, so the layer keeps its own (hooked) forward."""
+    layer = torch.nn.Linear(4, 4)
+    layer.weight = torch.nn.Parameter(torch.empty(0))
+    layer.weight.ds_id = 0
+    measured = []
+    use_skinny_matmuls(layer, rows_for=lambda w: measured.append(w) or EVERY_ROW_COUNT)
+    assert measured == [] and "forward" not in layer.__dict__
