@@ -49,9 +49,11 @@ def writing(what: Path):
                         "same command again: the run resumes from its newest checkpoint") from e
 
 
-def save_tensor_dir(out_dir: str | os.PathLike, tensors: dict, config: dict, card: str) -> Path:
+def save_tensor_dir(out_dir: str | os.PathLike, tensors: dict, config: dict, card: str,
+                    record: dict | None = None) -> Path:
     """model.safetensors, config.json and README.md in `out_dir`, replacing it atomically: the
-    layout of the Medusa and EAGLE-3 exports (serving engines' own formats)."""
+    layout of the Medusa and EAGLE-3 exports (serving engines' own formats); `record` becomes its
+    `drafttrain.json`."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -60,6 +62,8 @@ def save_tensor_dir(out_dir: str | os.PathLike, tensors: dict, config: dict, car
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "README.md").write_text(card)
+        if record is not None:
+            (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
 
 

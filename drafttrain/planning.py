@@ -12,6 +12,12 @@ second. On a GPU at batch 1, V(n) barely grows with n and K comes out large; on 
 5-token forward costs about 1.5 one-token forwards, and a draft LM's own forwards cost a third
 of the target's each, so the plan is short or empty.
 
+Trees (Medusa heads, EAGLE-3) are planned the same way over (top-k, depth, nodes): a step's
+expected tokens are read off recorded steps of the largest tree (`TreeStep`: its candidates in
+the order a smaller budget keeps them, and the target's greedy continuation, which decides what
+any sub-tree would have accepted), and a step's cost is a measured whole step of each (top-k,
+depth), moved along the target's measured cost of verifying n tree nodes (`TreeCosts`).
+
 Acceptance must come from other prompts than the ones being timed (the drafter's recorded
 held-out acceptance, or a calibration file), or the plan would be fitted to the test.
 """
@@ -38,20 +44,40 @@ class Costs:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The chosen number of drafts per step (0: the target alone), its expected tokens per step and
-    its speedup over plain decoding under the cost model, and every K's for the report."""
+class Candidate:
+    """One setting the planner weighed: K drafts a step (a tree's depth), and for trees its node
+    budget (pending included) and top-k; its expected tokens per step and planned speedup."""
 
     num_draft_tokens: int
     expected_tokens: float
     planned_speedup: float
-    candidates: tuple[tuple[int, float, float], ...]  # (K, E(K), planned speedup)
+    tree_nodes: int | None = None
+    tree_topk: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen setting (K = 0: the target alone), its expected tokens per step and its speedup
+    over plain decoding under the cost model, and every setting weighed, for the report."""
+
+    num_draft_tokens: int
+    expected_tokens: float
+    planned_speedup: float
+    candidates: tuple[Candidate, ...]
+    tree_nodes: int | None = None
+    tree_topk: int | None = None
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d["candidates"] = [{"num_draft_tokens": k, "expected_tokens": e, "planned_speedup": s}
-                           for k, e, s in self.candidates]
-        return d
+        return asdict(self)
+
+
+def best_plan(candidates: list[Candidate]) -> Plan:
+    """The candidate with the most tokens per second; ties go to the cheaper setting (fewer drafts,
+    then fewer nodes, then fewer top-k)."""
+    best = max(candidates, key=lambda c: (round(c.planned_speedup, 12), -c.num_draft_tokens, -(c.tree_nodes or 0),
+                                          -(c.tree_topk or 0)))
+    return Plan(best.num_draft_tokens, best.expected_tokens, best.planned_speedup, tuple(candidates),
+                best.tree_nodes, best.tree_topk)
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -95,9 +121,119 @@ def plan_chain(acceptance: list[float], costs: Costs, proposal_rates: list[float
     for k in range(max_k + 1):
         e = expected_tokens(acceptance, k)
         extra = extra_tokens * k / max(max_k, 1)
-        candidates.append((k, e, e * plain / step_seconds(costs, k, proposal_rates, extra)))
-    best = max(candidates, key=lambda c: (round(c[2], 12), -c[0]))
-    return Plan(best[0], best[1], best[2], tuple(candidates))
+        candidates.append(Candidate(k, e, e * plain / step_seconds(costs, k, proposal_rates, extra)))
+    return best_plan(candidates)
+
+
+# ---------------------------------------------------------------------------------------- trees
+
+
+@dataclass(frozen=True)
+class TreeStep:
+    """One verification step of a tree drafter's largest tree, enough to tell what any smaller
+    tree would have accepted. Candidates are listed best first, so that a budget of N nodes keeps
+    the first N - 1 of those deep enough (a parent always precedes its children: the kept set is
+    a tree): EAGLE-2 ranks them by cumulative draft log-probability, a static tree by its path
+    order. The target's greedy continuation (accepted drafts, then its own token) is fixed by the
+    context, not by the tree, so any sub-tree accepts the longest of its paths along it."""
+
+    tokens: tuple[int, ...]        # candidate tokens, best first (the root, pending, excluded)
+    parents: tuple[int, ...]       # each candidate's parent among them; -1: the root
+    depths: tuple[int, ...]        # 1 = a child of the root
+    continuation: tuple[int, ...]  # the target's greedy tokens after pending, as far as verified
+    lookup: tuple[int, ...] = ()   # a hybrid's n-gram chain, verified beside the candidates
+
+
+def accepted_within(step: TreeStep, depth: int, nodes: int) -> int:
+    """Drafts the step would have accepted with a tree of `nodes` nodes (pending included) at most
+    `depth` deep, plus a hybrid's n-gram chain cut to `depth`."""
+    children: dict[int, dict[int, int]] = {}
+    kept = 0
+    for i, d in enumerate(step.depths):
+        if kept == nodes - 1:
+            break
+        if d <= depth:
+            children.setdefault(step.parents[i], {}).setdefault(step.tokens[i], i)
+            kept += 1
+    node, accepted = -1, 0
+    for token in step.continuation[:depth]:
+        node = children.get(node, {}).get(token)
+        if node is None:
+            break
+        accepted += 1
+    lookup = 0
+    while lookup < min(depth, len(step.lookup), len(step.continuation)) and \
+            step.lookup[lookup] == step.continuation[lookup]:
+        lookup += 1
+    return max(accepted, lookup)
+
+
+def tree_expected_tokens(steps: list[TreeStep], depth: int, nodes: int) -> float:
+    """E: tokens per step (accepted drafts + the target's own) of the tree (depth, nodes)."""
+    if not steps:
+        return 1.0
+    return 1.0 + sum(accepted_within(s, depth, nodes) for s in steps) / len(steps)
+
+
+@dataclass(frozen=True)
+class TreeCosts:
+    """Measured seconds for tree plans. `verify[i]`: one target forward of `sizes[i]` tree nodes
+    after a cached prefix; `steps[(topk, depth)]`: (nodes verified, seconds) of a whole decoding
+    step of that tree, measured; `plain`: a plain decoding step. A step of another node count is
+    the measured one moved along the verification curve: drafting depends on top-k and depth, not
+    on how many of the drafted nodes are kept."""
+
+    sizes: tuple[int, ...]
+    verify: tuple[float, ...]
+    steps: dict[tuple[int, int], tuple[float, float]]
+    plain: float
+    warnings: tuple[str, ...] = field(default=())
+
+    def verify_seconds(self, nodes: float) -> float:
+        """The verification curve at `nodes`, linear between measured sizes."""
+        nodes = min(max(nodes, self.sizes[0]), self.sizes[-1])
+        i = next(i for i, n in enumerate(self.sizes) if n >= nodes)
+        if self.sizes[i] == nodes or i == 0:
+            return self.verify[i]
+        n0, n1 = self.sizes[i - 1], self.sizes[i]
+        return self.verify[i - 1] + (self.verify[i] - self.verify[i - 1]) * (nodes - n0) / (n1 - n0)
+
+    def step_seconds(self, topk: int, depth: int, nodes: int, extra: float = 0.0) -> float:
+        measured_nodes, seconds = self.steps[(topk, depth)]
+        return seconds + self.verify_seconds(nodes + extra) - self.verify_seconds(measured_nodes + extra)
+
+    def as_dict(self) -> dict:
+        return {"verify_sizes": list(self.sizes), "verify_seconds": list(self.verify),
+                "step_seconds": [{"tree_topk": k, "num_draft_tokens": d, "tree_nodes": n, "seconds": s}
+                                 for (k, d), (n, s) in sorted(self.steps.items())],
+                "plain_step_seconds": self.plain}
+
+
+NODE_BUDGETS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+def tree_node_limit(topk: int, depth: int) -> int:
+    """The most nodes (pending included) a tree of this top-k and depth can hold."""
+    return 1 + topk + (depth - 1) * topk * topk
+
+
+def plan_tree(steps: dict[int, list[TreeStep]], costs: TreeCosts, depths: list[int], nodes: list[int],
+              extra_tokens: dict[int, float] | None = None) -> Plan:
+    """The (top-k, depth, nodes) with the most expected tokens per second, or the target alone.
+    `steps[topk]`: the recorded steps of the largest tree of that top-k; `depths`, `nodes`: the
+    settings to weigh (node budgets beyond what a top-k and depth can fill are skipped);
+    `extra_tokens[topk]`: a hybrid's n-gram nodes per step beside the tree."""
+    candidates = [Candidate(0, 1.0, 1.0)]
+    for topk, recorded in sorted(steps.items()):
+        extra = (extra_tokens or {}).get(topk, 0.0)
+        for depth in depths:
+            if (topk, depth) not in costs.steps:
+                continue
+            for n in sorted({min(n, tree_node_limit(topk, depth)) for n in nodes}):
+                e = tree_expected_tokens(recorded, depth, n)
+                seconds = costs.step_seconds(topk, depth, n, extra)
+                candidates.append(Candidate(depth, e, e * costs.plain / seconds, n, topk))
+    return best_plan(candidates)
 
 
 def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
@@ -117,4 +253,6 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
     return out
 
 
-__all__ = ["Costs", "Plan", "expected_tokens", "interpolate", "noisy", "plan_chain", "step_seconds"]
+__all__ = ["NODE_BUDGETS", "Candidate", "Costs", "Plan", "TreeCosts", "TreeStep", "accepted_within", "best_plan",
+           "expected_tokens", "interpolate", "noisy", "plan_chain", "plan_tree", "step_seconds", "tree_expected_tokens",
+           "tree_node_limit"]

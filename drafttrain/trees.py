@@ -219,9 +219,19 @@ def read_tree_file(path: str) -> list[Path]:
     return paths
 
 
-def resolve_tree(choice: str, depth: int, *, auto: list | str | None = None) -> tuple[str, list[Path] | str]:
+def best_first(paths) -> list[Path]:
+    """`paths` in the order listed (best first, as a calibrated tree lists them), each moved after
+    its ancestors if it came before one: every prefix of the result is a tree, the one a budget of
+    that many nodes keeps."""
+    place = {tuple(p): i for i, p in enumerate(paths)}
+    return sorted(place, key=lambda p: (max(place[p[:i]] for i in range(1, len(p) + 1)), len(p)))
+
+
+def resolve_tree(choice: str, depth: int, *, auto: list | str | None = None,
+                 nodes: int | None = None) -> tuple[str, list[Path] | str]:
     """(the tree's name for reports, what a decoder takes) for `--tree CHOICE`, cut to `depth`
-    draft positions: paths, or "dynamic" (EAGLE-2's tree, grown each step).
+    draft positions and, for a static tree with `nodes`, to its first `nodes` - 1 paths best
+    first (pending is the other node): paths, or "dynamic" (EAGLE-2's tree, grown each step).
 
     `auto` is what auto means for the drafter: its stored calibrated paths (Medusa heads trained
     by drafttrain), "dynamic" (EAGLE-3), or None (the default tree)."""
@@ -235,4 +245,7 @@ def resolve_tree(choice: str, depth: int, *, auto: list | str | None = None) -> 
         name, paths = "chain", chain_tree(depth)
     else:
         name, paths = choice, read_tree_file(choice)
-    return name, [p for p in paths if len(p) <= depth]
+    paths = best_first(p for p in paths if len(p) <= depth)
+    if nodes is not None and nodes - 1 < len(paths):
+        name, paths = f"{name}, its first {nodes} nodes", paths[:nodes - 1]
+    return name, paths

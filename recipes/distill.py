@@ -40,7 +40,7 @@ from drafttrain.data.collate import TrainingCollator
 from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings, Drafter
 from drafttrain.draft_init import draft_from_target
 from drafttrain.errors import UserError
-from drafttrain.evaluation.plan import export_plans
+from drafttrain.evaluation.plan import export_plans, planned_k
 from drafttrain.export import export_draft, held_out_record
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
@@ -295,9 +295,7 @@ class DistillRecipe(Recipe):
         chosen = "best held-out tau" if cfg.train.keep_best else "last"
         model = result.model.to(DTYPES[cfg.export_dtype])
         plans = self.plans(model, final)
-        planned = ({"planned K (drafttrain.json)": f"{plans['gpu_batch1']['num_draft_tokens']} on a GPU at batch 1 "
-                    f"(vLLM num_speculative_tokens), {plans['this_machine']['num_draft_tokens']} on the training "
-                    "machine (0: no speculation pays there)"} if plans else {})
+        planned = planned_k(plans)
 
         def write(rows: list[dict]) -> None:
             export_draft(model, self.tokenizer, self.out / "final", eos_token_id=self.export_eos, acceptance_table=rows,
@@ -316,7 +314,8 @@ class DistillRecipe(Recipe):
     def plans(self, model, final: dict) -> dict:
         """K planned from the held-out acceptance, for this machine (measured) and a GPU at batch 1."""
         probe = self.prompts[0].ids
-        return export_plans(self.target, model, final["per_position_acceptance"], parallel_info(model.config), probe)
+        return export_plans(self.target, final["per_position_acceptance"], probe, where=str(self.out / "final"),
+                            draft=model, parallel=parallel_info(model.config))
 
     @property
     def export_eos(self) -> int | list[int]:

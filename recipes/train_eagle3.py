@@ -46,6 +46,8 @@ from drafttrain.eagle3.loss import (eagle3_loss, first_trained_index, next_token
 from drafttrain.eagle3.model import Eagle3Draft, check_aux_layer_ids
 from drafttrain.eagle3.vocab import build_draft_vocab
 from drafttrain.errors import UserError
+from drafttrain.evaluation.plan import export_plans, planned_k
+from drafttrain.export import held_out_record
 from drafttrain.models import DTYPES
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
@@ -249,10 +251,16 @@ class Eagle3Recipe(Recipe):
         return self.acceptance(model, self.config.eval.tree)
 
     def final_evaluations(self, result) -> dict:
-        """The chosen draft's held-out acceptance the other way: as a dynamic tree if it was picked
-        as a chain, and the other way round."""
-        other = "dynamic" if self.config.eval.tree == "chain" else "chain"
-        return {f"final_{other}": self.acceptance(result.model, other)}
+        """The chosen draft's held-out acceptance the other way (as a dynamic tree if it was picked as
+        a chain, and the other way round), and the plans its chain acceptance implies (measured on
+        every rank when the target is sharded: its forwards need them all)."""
+        cfg = self.config
+        other = "dynamic" if cfg.eval.tree == "chain" else "chain"
+        measured = self.acceptance(result.model, other)
+        chain = result.best_metrics if cfg.eval.tree == "chain" else measured
+        plans = export_plans(self.target, chain["per_position_acceptance"], self.prompts[0].ids,
+                             where=str(self.out / "final"), eagle3=result.model)
+        return {f"final_{other}": measured, "plans": plans}
 
     def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         """final/: the best draft, with its held-out acceptance as a chain and as a dynamic tree."""
@@ -269,15 +277,18 @@ class Eagle3Recipe(Recipe):
                 table_row(f"final (step {result.best_step}), {how(cfg.eval.tree)}", final),
                 table_row(f"final (step {result.best_step}), {how(other)}", other_metrics)]
         chosen = "best held-out tau" if cfg.train.keep_best else "last"
+        chain = final if cfg.eval.tree == "chain" else other_metrics
+        plans = extra["plans"]
+        record = held_out_record(chain, len(self.prompts)) | {"plans": plans}
 
         def write(rows: list[dict]) -> None:
-            save_eagle3(model.to(DTYPES[cfg.export_dtype]), self.out / "final", acceptance_table=rows,
+            save_eagle3(model.to(DTYPES[cfg.export_dtype]), self.out / "final", acceptance_table=rows, record=record,
                         base_info={"target": cfg.target, "recipe": f"drafttrain {self.script}",
                                    "draft vocabulary": f"{model.config.draft_vocab_size} most frequent target tokens",
                                    "training-time-test steps": cfg.loss.ttt_steps, "teacher": self.teacher_kind,
                                    "training steps": result.step,
                                    "exported weights": f"step {result.best_step} ({chosen})",
-                                   "held-out prompts": len(self.prompts)})
+                                   "held-out prompts": len(self.prompts), **planned_k(plans)})
 
         write(rows)
         served = served_row(self.out / "final", "eagle3", cfg.target, self.prompts, dtype=cfg.export_dtype,

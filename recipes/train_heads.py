@@ -39,7 +39,8 @@ from drafttrain.config import setting
 from drafttrain.data import response_window
 from drafttrain.decoding import DecodeSettings, Drafter
 from drafttrain.errors import UserError
-from drafttrain.export import render_acceptance_table
+from drafttrain.evaluation.plan import export_plans, planned_k
+from drafttrain.export import held_out_record, render_acceptance_table
 from drafttrain.fileio import atomic_dir
 from drafttrain.medusa.calibrate import head_topk_accuracy
 from drafttrain.medusa.export import save_medusa
@@ -218,31 +219,40 @@ class HeadsRecipe(Recipe):
         return model.target if self.config.lora.enabled else self.target
 
     def final_evaluations(self, result) -> dict:
-        """With eval.tree_nodes: the tree calibrated on the trained heads, and its held-out tau."""
-        if not self.config.eval.tree_nodes:
-            return {}
+        """The heads as a chain (what vLLM serves, and what chain plans read): held-out acceptance and
+        the plans it implies; with eval.tree_nodes, the tree calibrated on the trained heads and its
+        held-out tau."""
+        cfg = self.config
+        module = result.model.eval()
+        k = cfg.heads.num_heads
+        chain = heads_acceptance(self.verifier(module), module.heads, self.prompts, tree_depth=k,
+                                 max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=set(self.eos_ids),
+                                 tree=chain_tree(k))
+        plans = export_plans(self.verifier(module), chain["per_position_acceptance"], self.prompts[0].ids,
+                             where=str(self.out / "final"), heads=module.heads)
+        out = {"chain": chain, "plans": plans}
+        if not cfg.eval.tree_nodes:
+            return out
         calibrated = self.calibrate_tree(result.model)
-        self.accelerator.print(f"calibrated tree: {self.config.eval.tree_nodes} nodes, held-out tau "
+        self.accelerator.print(f"calibrated tree: {cfg.eval.tree_nodes} nodes, held-out tau "
                                f"{calibrated['tau']:.3f} (default tree {result.best_metrics['tau']:.3f})")
-        return {"calibrated": calibrated}
+        return {**out, "calibrated": calibrated}
 
     def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         cfg, final_dir = self.config, self.out / "final"
+        k = cfg.heads.num_heads
+        chain = extra["chain"]
+        record = held_out_record(chain, len(self.prompts)) | {"plans": extra["plans"]}
         args = (result.model, cfg, self.tokenizer, final_dir, result.step, result.best_step, initial, final,
                 len(self.prompts))
-        export_final(*args, calibrated=extra.get("calibrated"))
+        export_final(*args, calibrated=extra.get("calibrated"), record=record)
         verifier = str(final_dir / "target") if cfg.lora.enabled else cfg.target
-        k = cfg.heads.num_heads
         served = served_row(final_dir, "medusa", verifier, self.prompts, dtype=cfg.export_dtype,
                             num_draft_tokens=k, max_new_tokens=cfg.eval.max_new_tokens,
                             eos_token_ids=set(self.eos_ids))
         if served:  # vLLM is installed. It serves the heads as one top-1 chain, not as our tree: the card
             # shows that chain as drafttrain decodes it beside vLLM's figure, the setting a user deploys.
-            module = result.model.eval()
-            chain = heads_acceptance(self.verifier(module), module.heads, self.prompts, tree_depth=k,
-                                     max_new_tokens=cfg.eval.max_new_tokens, eos_token_ids=set(self.eos_ids),
-                                     tree=chain_tree(k))
-            export_final(*args, calibrated=extra.get("calibrated"),
+            export_final(*args, calibrated=extra.get("calibrated"), record=record,
                          served=[table_row(f"trained, chain of {k} (what vLLM serves)", chain), served])
 
     def calibrate_tree(self, module: nn.Module) -> dict:
@@ -321,7 +331,7 @@ def heads_acceptance(target, heads: MedusaHeads, prompts: list[EncodedPrompt], *
 
 def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path, steps: int, best_step: int,
                  initial: dict, final: dict, num_prompts: int, calibrated: dict | None = None,
-                 served: list[dict] | None = None) -> None:
+                 served: list[dict] | None = None, record: dict | None = None) -> None:
     """final/: the heads in vLLM's format (with the calibrated tree, if any); Medusa-2 also target/,
     the merged adapted target (the verifier). Written into one temporary directory and renamed,
     so heads never point at a half-written verifier."""
@@ -335,8 +345,10 @@ def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path
         rows.append(table_row(f"trained, calibrated tree ({len(calibrated['tree'])} nodes)", calibrated))
     rows += served or []
     with atomic_dir(final_dir, overwrite=True) as tmp:
+        plans = planned_k((record or {}).get("plans") or {})
         save_medusa(heads, tmp, extra={"drafttrain": info, "base_model": verifier or cfg.target},
-                    card_notes=card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows)))
+                    card_notes=card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows), plans),
+                    record=record)
         if cfg.lora.enabled:
             merged = copy.deepcopy(module.target).merge_and_unload().to("cpu")
             merged.save_pretrained(tmp / "target")
@@ -348,7 +360,8 @@ def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path
                 "as --target.\n")
 
 
-def card_notes(cfg: HeadsConfig, steps: int, best_step: int, num_prompts: int, table: str) -> str:
+def card_notes(cfg: HeadsConfig, steps: int, best_step: int, num_prompts: int, table: str,
+               plans: dict | None = None) -> str:
     lines = ["## Training", "",
              f"- **method**: {cfg.kind} (" + ("LoRA adapters on the target trained jointly with the heads"
                                               if cfg.lora.enabled else "target frozen, only the heads trained") + ")",
@@ -359,6 +372,7 @@ def card_notes(cfg: HeadsConfig, steps: int, best_step: int, num_prompts: int, t
              f"- **LM heads trained**: {'yes' if cfg.heads.train_lm_heads else 'no (residual blocks only)'}",
              f"- **training steps**: {steps}; exported weights: step {best_step} "
              + ("(best held-out tau)" if cfg.train.keep_best else "(last)")]
+    lines += [f"- **{key}**: {value}" for key, value in (plans or {}).items()]
     if cfg.lora.enabled:
         lines.append(f"- **LoRA**: r={cfg.lora.r}, alpha={cfg.lora.alpha}, modules "
                      f"{', '.join(cfg.lora.target_modules)}; language-model loss {cfg.lora.lm_loss} x "

@@ -10,9 +10,10 @@
 # (recipes/configs/smollm2_eagle3_demo.yaml), each added to the comparison (times: README);
 # PARALLEL=1 also makes a parallel draft (PARD: K=4 drafts from one forward) as PARD does: the distilled
 # draft adapted to mask tokens on the same cached answers (draft.parallel_tokens=4, PARALLEL_STEPS steps).
-# HYBRID=1 adds the distilled draft + n-gram lookup (one two-branch tree per step). K=auto plans each
-# drafter's K from this machine's costs, with acceptance measured on the HumanEval prompts after the
-# compared ones (--calibration-prompts).
+# HYBRID=1 adds each model drafter + n-gram lookup (the lookup's chain one more branch of its chain or
+# tree, verified in the same pass). K=auto plans each drafter's K (and, for Medusa heads and EAGLE-3,
+# its tree: --tree-nodes auto) from this machine's costs, with acceptance measured on the HumanEval
+# prompts after the compared ones (--calibration-prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(bash scripts/setup_env.sh | tail -1)
@@ -58,25 +59,28 @@ if [ "$PARALLEL" = 1 ]; then
 fi
 if [ "$HYBRID" = 1 ]; then
   drafters+=(--drafter "distilled-${LOSSES%% *}+ngram=draft:$OUT/distill-${LOSSES%% *}/final+ngram")
+  if [ "$PARALLEL" = 1 ]; then drafters+=(--drafter "parallel+ngram=draft:$OUT/parallel/final+ngram"); fi
 fi
 if [ "$HEADS" = 1 ]; then
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
     recipes/train_heads.py \
     --config recipes/configs/smollm2_heads_demo.yaml target="$TARGET" output_dir="$OUT/heads"
   drafters+=(--drafter "heads-medusa1=heads:$OUT/heads/final")
+  if [ "$HYBRID" = 1 ]; then drafters+=(--drafter "heads-medusa1+ngram=heads:$OUT/heads/final+ngram"); fi
 fi
 if [ "$EAGLE3" = 1 ]; then
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
     recipes/train_eagle3.py \
     --config recipes/configs/smollm2_eagle3_demo.yaml target="$TARGET" output_dir="$OUT/eagle3"
   drafters+=(--drafter "eagle3=eagle3:$OUT/eagle3/final")
+  if [ "$HYBRID" = 1 ]; then drafters+=(--drafter "eagle3+ngram=eagle3:$OUT/eagle3/final+ngram"); fi
 fi
-plan=()
-if [ "$K" = auto ]; then  # acceptance from other prompts than the compared ones
+plan=(--tree-nodes "$TREE_NODES")
+if [ "$K" = auto ]; then  # acceptance from other prompts than the compared ones; trees sized too
   tail -n +"$((LIMIT + 1))" "$OUT/humaneval.jsonl" > "$OUT/humaneval-calibration.jsonl"
-  plan=(--calibration-prompts "$OUT/humaneval-calibration.jsonl")
+  plan=(--tree-nodes auto --calibration-prompts "$OUT/humaneval-calibration.jsonl")
 fi
 drafttrain compare --target "$TARGET" "${drafters[@]}" --drafter ngram=ngram \
   --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens "$K" "${plan[@]}" \
-  --tree-nodes "$TREE_NODES" --tree-topk 8 --out "$OUT/report" --overwrite
+  --tree-topk 8 --out "$OUT/report" --overwrite
 echo "acceptance report: $OUT/report/comparison.md (one full report per drafter beside it)"

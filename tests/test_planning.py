@@ -1,11 +1,16 @@
-"""The planner against an independent reference: a Monte-Carlo simulation of chain decoding
-under the same acceptance and cost model picks the same K and the same speedup."""
+"""The planner against independent references: a Monte-Carlo simulation of chain decoding under
+the same acceptance and cost model picks the same K and the same speedup; for trees, every
+smaller tree built and verified by the decoder's own greedy verdict, and a brute-force search."""
 
 import random
 
 import pytest
+import torch
 
-from drafttrain.planning import Costs, expected_tokens, noisy, plan_chain, step_seconds
+from drafttrain.decoding.verify import greedy_tree_verdict
+from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, expected_tokens, noisy, plan_chain, plan_tree,
+                                 step_seconds, tree_expected_tokens, tree_node_limit)
+from drafttrain.trees import tree_from_parents
 
 
 def simulate(acceptance, costs, k, proposal_rates=None, steps=40_000, seed=0):
@@ -95,3 +100,114 @@ def test_a_busy_machine_is_named_and_a_quiet_one_is_not():
     assert any(line.startswith("1 tokens") for line in noisy(spread))
     backwards = [quiet[0], [2.3, 2.3, 2.31, 2.29, 2.3], [1.3, 1.31, 1.3, 1.29, 1.3]]
     assert any("less than 2 tokens'" in line for line in noisy(backwards))
+
+
+# ---------------------------------------------------------------------------------------- trees
+
+
+def random_step(rng: random.Random, size: int = 30, vocab: int = 5, max_depth: int = 5) -> TreeStep:
+    """A tree step as EAGLE-2 records it: candidates with cumulative scores (a child never above
+    its parent), listed best first, and a greedy continuation that often runs along them."""
+    nodes = [(-1, 0, 0.0, None)]  # (parent, depth, score, token) of every node drafted, the root first
+    for _ in range(size):
+        parent = rng.randrange(len(nodes))
+        if nodes[parent][1] == max_depth:
+            continue
+        used = {t for p, _, _, t in nodes if p == parent}
+        free = [t for t in range(vocab) if t not in used]
+        if free:
+            nodes.append((parent, nodes[parent][1] + 1, nodes[parent][2] - rng.random(), rng.choice(free)))
+    order = sorted(range(1, len(nodes)), key=lambda n: (-nodes[n][2], nodes[n][1], n))
+    rank = {n: i for i, n in enumerate(order)}
+    walk, continuation = 0, []
+    for _ in range(max_depth + 1):  # along the tree while it lasts, then the target's own tokens
+        children = [n for n in range(1, len(nodes)) if nodes[n][0] == walk]
+        if children and rng.random() < 0.8:
+            walk = rng.choice(children)
+            continuation.append(nodes[walk][3])
+        else:
+            continuation.append(rng.randrange(vocab))
+            break
+    return TreeStep(tuple(nodes[n][3] for n in order), tuple(rank.get(nodes[n][0], -1) for n in order),
+                    tuple(nodes[n][1] for n in order), tuple(continuation),
+                    tuple(rng.randrange(vocab) for _ in range(rng.randrange(0, 4))))
+
+
+def verified_length(step: TreeStep, depth: int, nodes: int) -> int:
+    """What the decoder itself accepts: the sub-tree built as a `Tree`, verified by
+    `greedy_tree_verdict` against a target whose argmax at each node is the continuation's next
+    token where the node lies on it (anything else elsewhere), and the n-gram chain checked token
+    by token."""
+    kept = [i for i, d in enumerate(step.depths) if d <= depth][:nodes - 1]
+    index = {i: n for n, i in enumerate(kept, start=1)}
+    tree = tree_from_parents([-1] + [index.get(step.parents[i], 0) for i in kept])
+    tokens = torch.tensor([99] + [step.tokens[i] for i in kept])
+    argmax = torch.full((len(tokens),), 98)
+    for n in range(len(tokens)):
+        depth_n = len(tree.path_to(n)) - 1
+        path_tokens = [int(tokens[m]) for m in tree.path_to(n)[1:]]
+        if list(step.continuation[:depth_n]) == path_tokens and depth_n < len(step.continuation):
+            argmax[n] = step.continuation[depth_n]
+    best = int(greedy_tree_verdict(argmax, tokens, tree)[0])
+    model = len(tree.path_to(best)) - 1
+    lookup = 0
+    for a, b in zip(step.lookup[:depth], step.continuation):
+        if a != b:
+            break
+        lookup += 1
+    return max(model, lookup)
+
+
+def test_what_a_smaller_tree_accepts_is_what_the_decoder_verifies():
+    rng = random.Random(0)
+    for _ in range(300):
+        step = random_step(rng)
+        for depth in (1, 2, 3, 5):
+            for nodes in (2, 3, 5, 8, 16, 40):
+                assert accepted_within(step, depth, nodes) == verified_length(step, depth, nodes), (step, depth, nodes)
+
+
+def test_the_tree_plan_is_the_best_setting_of_a_brute_force_search():
+    """Every (top-k, depth, nodes) decoded step by step on the recorded steps with the decoder's
+    own verdict, and charged its cost; the planner picks the fastest, and plain decoding when no
+    tree pays."""
+    rng = random.Random(1)
+    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
+    depths, budgets = [1, 2, 3, 4], [2, 4, 8, 16]
+    sizes = (1, 2, 4, 8, 16, 24)
+    for verify, draft in (((1.0, 1.02, 1.05, 1.1, 1.2, 1.3), 0.05), ((1.0, 1.4, 2.0, 3.2, 6.0, 9.0), 0.3),
+                          ((1.0, 3.0, 5.0, 9.0, 17.0, 25.0), 0.9)):
+        costs = TreeCosts(sizes, verify, {(k, d): (16, 1.0 + draft * d + TreeCosts(sizes, verify, {}, 1.0)
+                                                   .verify_seconds(16) - 1.0) for k in steps for d in depths}, 1.0)
+        plan = plan_tree(steps, costs, depths, budgets)
+        best = (1.0, 0, None, None)
+        for k, recorded in steps.items():
+            for d in depths:
+                for n in budgets:
+                    n = min(n, tree_node_limit(k, d))
+                    tokens = sum(1 + verified_length(s, d, n) for s in recorded)
+                    seconds = len(recorded) * (1.0 + draft * d + costs.verify_seconds(n) - 1.0)
+                    speed = (tokens / seconds) / 1.0
+                    if speed > best[0] + 1e-9:
+                        best = (speed, d, n, k)
+        assert plan.planned_speedup == pytest.approx(best[0])
+        assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk) == best[1:]
+    assert plan.num_draft_tokens == 0  # verification as dear as on a busy CPU: the target alone
+
+
+def test_a_hybrid_step_accepts_the_longer_of_its_tree_and_its_ngram_chain():
+    step = TreeStep(tokens=(5, 6, 7), parents=(-1, 0, 1), depths=(1, 2, 3), continuation=(5, 9, 9, 9, 1),
+                    lookup=(5, 9, 9, 9))
+    assert accepted_within(step, 4, 4) == 4     # the n-gram chain runs furthest
+    assert accepted_within(step, 2, 4) == 2     # cut to the depth
+    no_lookup = TreeStep(step.tokens, step.parents, step.depths, step.continuation)
+    assert accepted_within(no_lookup, 4, 4) == 1
+    assert tree_expected_tokens([step, no_lookup], 4, 4) == pytest.approx(1 + (4 + 1) / 2)
+
+
+def test_a_tree_step_between_measured_sizes_is_interpolated():
+    costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), {(4, 2): (8, 3.0)}, 1.0)
+    assert costs.verify_seconds(3) == pytest.approx(1.4)
+    assert costs.verify_seconds(100) == pytest.approx(2.4)
+    assert costs.step_seconds(4, 2, 4) == pytest.approx(3.0 - 0.8)
+    assert costs.step_seconds(4, 2, 4, extra=1.0) == pytest.approx(3.0 + (1.6 + 0.2) - 2.4)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..planning import TreeStep
 from ..trees import Tree
 from .engines import device_tensor
 from .loop import Decoder, Step, top2_margins
@@ -46,6 +47,13 @@ class TreeDrafter:
     def warmup(self) -> float:
         return 0.0
 
+    def candidates(self) -> tuple[list[int], list[int], list[int]] | None:
+        """The last draft's candidates best first, every node drafted whether the tree kept it or
+        not: (tokens, each one's parent among them or -1 for the root, depths), a parent always
+        before its children, so that a planner can tell what a smaller tree would have accepted
+        (`planning.TreeStep`). None: this drafter does not rank its candidates."""
+        return None
+
 
 class TreeDecoder(Decoder):
     name = "tree"
@@ -54,6 +62,16 @@ class TreeDecoder(Decoder):
                  record_margins: bool = False):
         super().__init__(target, eos_token_ids=eos_token_ids, record_margins=record_margins)
         self.drafter = drafter
+        self.recorded: list[TreeStep] | None = None  # a list: every step's candidates are recorded there
+
+    def record(self, accepted: list[int], bonus: int) -> None:
+        """Keep this step's candidates and the target's verdict on them (planning only: reading the
+        candidates costs a host sync)."""
+        ranked = self.drafter.candidates()
+        if ranked is not None:
+            tokens, parents, depths = ranked
+            self.recorded.append(TreeStep(tuple(tokens), tuple(parents), tuple(depths), (*accepted, bonus),
+                                          tuple(getattr(self.drafter, "last_lookup", ()))))
 
     @property
     def num_draft_tokens(self) -> int:
@@ -101,6 +119,8 @@ class TreeDecoder(Decoder):
         self.target.compact(past, nodes)
         kept = hidden.index_select(0, device_tensor(nodes, self.device)) if hidden is not None else None
         accepted = [int(argmax[p]) for p in nodes[:-1]]
+        if self.recorded is not None:
+            self.record(accepted, int(argmax[best]))
         self.drafter.commit(nodes, accepted, int(argmax[best]), hidden=kept)
         self.pending = verdict[1 + best:2 + best]  # stays on the device
         margins = [values[1 + n_nodes + p] for p in nodes] if self.record_margins else None

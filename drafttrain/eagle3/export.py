@@ -152,11 +152,12 @@ def model_card(cfg: dict, acceptance_table: list[dict] | None, base_info: dict |
 
 
 def save_eagle3(draft: Eagle3Draft, out_dir, *, acceptance_table: list[dict] | None = None,
-                base_info: dict | None = None, extra_config: dict | None = None) -> Path:
+                base_info: dict | None = None, extra_config: dict | None = None, record: dict | None = None) -> Path:
     """Write config.json, model.safetensors and README.md to `out_dir`, replacing it atomically.
-    `acceptance_table`: rows for the card (`drafttrain.export.render_acceptance_table`)."""
+    `acceptance_table`: rows for the card (`drafttrain.export.render_acceptance_table`); `record`:
+    drafttrain.json (held-out chain acceptance and plans)."""
     cfg = eagle3_config_dict(draft.config, draft.lm_head.weight.dtype, extra_config)
-    return save_tensor_dir(out_dir, draft.state_dict(), cfg, model_card(cfg, acceptance_table, base_info))
+    return save_tensor_dir(out_dir, draft.state_dict(), cfg, model_card(cfg, acceptance_table, base_info), record)
 
 
 def _int(cfg: dict, key: str, where: Path) -> int:

@@ -27,19 +27,19 @@ NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
 
 
 def parse_drafter(arg: str) -> tuple[str, dict]:
-    """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=eagle3:DIR`, `NAME=ngram` or `NAME=none`; a draft
-    may end in `+ngram` (its chain and n-gram lookup's, verified as one tree), and any drafter in
-    `@vllm` or `@drafttrain` (who decodes it; unset: --backend)."""
+    """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=eagle3:DIR`, `NAME=ngram` or `NAME=none`; a drafter
+    with weights may end in `+ngram` (n-gram lookup's chain verified as one more branch of its chain
+    or tree), and any drafter in `@vllm` or `@drafttrain` (who decodes it; unset: --backend)."""
     name, sep, what = arg.partition("=")
     head, at, backend = what.rpartition("@")
     at = bool(at) and backend in BACKEND_CHOICES
     what = head if at else what
-    hybrid = what.endswith("+ngram") and what.startswith("draft:")
+    hybrid = what.endswith("+ngram") and what.partition(":")[0] in WITH_PATH
     kind, _, path = what.removesuffix("+ngram").partition(":") if hybrid else what.partition(":")
     if not sep or not name or kind not in KINDS or (kind in WITH_PATH) != bool(path):
-        raise UserError(f"--drafter {arg!r} is malformed; use NAME=draft:DIR (or NAME=draft:DIR+ngram), "
-                        "NAME=heads:DIR, NAME=eagle3:DIR, NAME=ngram or NAME=none, each optionally ending in @vllm "
-                        "or @drafttrain")
+        raise UserError(f"--drafter {arg!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR or NAME=eagle3:DIR "
+                        "(each may end in +ngram: NAME=draft:DIR+ngram, NAME=heads:DIR+ngram, NAME=eagle3:DIR+ngram), "
+                        "NAME=ngram or NAME=none, each optionally ending in @vllm or @drafttrain")
     check_drafter_name(name, arg)
     fields = {kind: path, "ngram": hybrid} if kind in WITH_PATH else {"method": kind}
     return name, {**fields, **({"backend": backend} if at else {})}

@@ -24,6 +24,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 ENGINE_CHOICES = ("auto", "eager", "static")
 BACKEND_CHOICES = ("drafttrain", "vllm")
 PLAN_MAX_K = 6  # the deepest K that --num-draft-tokens auto considers (and calibration drafts)
+PLAN_MAX_NODES = 64  # the largest tree that --tree-nodes auto considers
 
 
 @dataclass(kw_only=True)
@@ -44,8 +45,9 @@ class EvalConfig:
                                  metavar="DIR", drafter=True)
     method: str | None = setting(None, "A drafter without weights: ngram (prompt lookup) or none (the target "
                                  "alone).", choices=("ngram", "none"), drafter=True)
-    ngram: bool = setting(False, "With --draft: also look up an n-gram continuation each step and verify it with the "
-                          "draft's chain in the same target pass, as a two-branch tree (greedy only).", drafter=True)
+    ngram: bool = setting(False, "With --draft, --heads or --eagle3: also look up an n-gram continuation each step and "
+                          "verify it as one more branch of the drafter's chain or tree, in the same target pass "
+                          "(greedy only).", drafter=True)
     name: str | None = setting(None, "The drafter's name in titles and tables (unset: the draft or heads "
                                "directory's name, else the method).", drafter=True)
     limit: int | None = setting(None, "At most N prompts from each prompt file (unset: all).", metavar="N",
@@ -55,9 +57,9 @@ class EvalConfig:
         "the K (0 = the target alone) that this machine's measured costs and the drafter's acceptance on other "
         "prompts favour (drafttrain.planning).", metavar="K|auto", at_least=1, parse=int_or_auto, auto=True)
     calibration_prompts: str | None = setting(
-        None, "With --num-draft-tokens auto: a JSONL prompt file (not the evaluated prompts) whose first prompts "
-        "measure the drafter's acceptance; without it, the acceptance its export recorded (drafttrain.json).",
-        metavar="FILE")
+        None, "With --num-draft-tokens auto or --tree-nodes auto: a JSONL prompt file (not the evaluated prompts) "
+        "whose first prompts measure the drafter's acceptance; without it, the acceptance its export recorded "
+        "(drafttrain.json; draft models only, trees always need this file).", metavar="FILE")
     temperature: float = setting(0.0, "Sampling temperature; 0 is greedy decoding.", at_least=0)
     top_p: float = setting(1.0, "Nucleus sampling: keep the smallest set of tokens with this much probability.",
                            above=0, at_most=1)
@@ -83,8 +85,12 @@ class EvalConfig:
                         "calibrated when they were trained, else default; EAGLE-3: dynamic), default (a static "
                         "22-node tree), chain, dynamic (EAGLE-3 only: EAGLE-2's tree grown by draft confidence, "
                         "--tree-nodes nodes, K deep), or a JSON file of paths like [[0], [1], [0, 0]].")
-    tree_nodes: int = setting(32, "EAGLE-3 dynamic tree: nodes verified per step, the pending token included.",
-                              metavar="N", at_least=2)
+    tree_nodes: int | str | None = setting(
+        None, "Nodes verified per step, the pending token included: EAGLE-3's dynamic tree grows this many (unset: "
+        "32); a static tree (Medusa heads', or --tree default/FILE) keeps its first N-1 paths best first (unset: "
+        "all). auto: the size (and, for the dynamic tree, the top-k up to --tree-topk) that this machine's "
+        "measured costs and the drafter's acceptance on --calibration-prompts favour (drafttrain.planning).",
+        metavar="N|auto", at_least=2, parse=int_or_auto, auto=True)
     tree_topk: int = setting(4, "EAGLE-3 dynamic tree: nodes expanded per depth, and children drafted per node.",
                              metavar="N", at_least=1)
     overwrite: bool = setting(False, "Replace an earlier report in --out whole (nothing of it remains).")
@@ -97,19 +103,19 @@ class EvalConfig:
         if len(chosen) != 1:
             raise UserError("choose exactly one drafter: --draft DIR, --heads DIR, --eagle3 DIR, --method ngram or "
                             "--method none" + (f" (got {' and '.join(chosen)})" if chosen else ""))
-        if self.ngram and not self.draft:
-            raise UserError("--ngram joins n-gram lookup to a draft model (--draft DIR); --method ngram alone needs no "
-                            "--ngram")
+        if self.ngram and self.method:
+            raise UserError("--ngram joins n-gram lookup to a drafter with weights (--draft DIR, --heads DIR or "
+                            "--eagle3 DIR); --method ngram alone needs no --ngram")
         if self.ngram and self.temperature > 0:
-            raise UserError("--ngram verifies two branches as a tree, which is greedy; use --temperature 0 or leave "
-                            "--ngram out")
+            raise UserError("--ngram verifies the n-gram branch and the drafter's as one tree, which is greedy; use "
+                            "--temperature 0 or leave --ngram out")
         if not self.prompts:
             raise UserError("no prompt file given; pass --prompts FILE")
         if self.temperature == math.inf:
             raise UserError("--temperature must be finite (0 = greedy)")
-        if self.calibration_prompts and self.num_draft_tokens != "auto":
-            raise UserError("--calibration-prompts measures acceptance for --num-draft-tokens auto; add it, or leave "
-                            "--calibration-prompts out")
+        if self.calibration_prompts and not self.planned:
+            raise UserError("--calibration-prompts measures acceptance for --num-draft-tokens auto or --tree-nodes "
+                            "auto; add one, or leave --calibration-prompts out")
         if self.calibration_prompts and self.calibration_prompts in self.prompts:
             raise UserError(f"--calibration-prompts {self.calibration_prompts} is also an evaluated prompt file; a plan "
                             "fitted to the evaluated prompts is no plan: give other prompts")
@@ -124,18 +130,31 @@ class EvalConfig:
             check_servable(self)
 
     @property
+    def planned(self) -> bool:
+        """K or the tree's size is left to the planner (`evaluation.plan`)."""
+        return "auto" in (self.num_draft_tokens, self.tree_nodes)
+
+    @property
     def max_draft_tokens(self) -> int:
         """The most drafts a step of this run may hold: K, or the deepest K a plan considers."""
         return PLAN_MAX_K if self.num_draft_tokens == "auto" else self.num_draft_tokens
 
-    def decode_settings(self, *, generator=None, record_margins: bool = False, k: int | None = None) -> DecodeSettings:
-        """What the decoder factory needs of these settings; `k` overrides K (an `auto` K is resolved
-        by `evaluation.plan` before decoding)."""
-        if k is None and self.num_draft_tokens == "auto":
-            raise ValueError("--num-draft-tokens auto is resolved by evaluation.plan before decoding")
-        return DecodeSettings(num_draft_tokens=self.num_draft_tokens if k is None else k, temperature=self.temperature, top_p=self.top_p,
-                              generator=generator, record_margins=record_margins, tree=self.tree,
-                              tree_nodes=self.tree_nodes, tree_topk=self.tree_topk, ngram_max=self.ngram_max,
+    @property
+    def max_tree_nodes(self) -> int | None:
+        """The largest tree a step of this run may verify: the given size, or the largest a plan considers."""
+        return PLAN_MAX_NODES if self.tree_nodes == "auto" else self.tree_nodes
+
+    def decode_settings(self, *, generator=None, record_margins: bool = False, k: int | None = None,
+                        nodes: int | None = None, topk: int | None = None) -> DecodeSettings:
+        """What the decoder factory needs of these settings; `k`, `nodes` and `topk` override K, the
+        tree's nodes and top-k (an `auto` one is resolved by `evaluation.plan` before decoding)."""
+        if (k is None and self.num_draft_tokens == "auto") or (nodes is None and self.tree_nodes == "auto"):
+            raise ValueError("--num-draft-tokens auto and --tree-nodes auto are resolved by evaluation.plan before "
+                             "decoding")
+        return DecodeSettings(num_draft_tokens=self.num_draft_tokens if k is None else k, temperature=self.temperature,
+                              top_p=self.top_p, generator=generator, record_margins=record_margins, tree=self.tree,
+                              tree_nodes=self.tree_nodes if nodes is None else nodes,
+                              tree_topk=self.tree_topk if topk is None else topk, ngram_max=self.ngram_max,
                               ngram_hybrid=self.ngram)
 
     @property

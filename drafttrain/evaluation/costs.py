@@ -14,8 +14,10 @@ import torch
 from ..decoding import CachedLM, Generation
 from ..decoding.drafters.eagle3 import Eagle3DraftCache
 from ..decoding.drafters.eagle3_cache import CachedEagle3Draft
+from ..decoding.drafters.medusa import head_logits
 from ..decoding.engines import device_tensor, synchronize
 from ..eagle3.model import Eagle3Draft
+from ..trees import tree_from_parents
 
 
 def timed_generate(decoder, prompt: list[int], max_new: int) -> tuple[Generation, float]:
@@ -80,22 +82,40 @@ def eagle3_step_seconds(draft: Eagle3Draft | CachedEagle3Draft, target_lm: Cache
     return median(times[2:])
 
 
-def forward_curve(lm: CachedLM, prompt: list[int], sizes: int, repeats: int = 7) -> list[list[float]]:
-    """Seconds of cached forwards of 1 .. `sizes` tokens after prompt[:-1]: `repeats` rounds, the
-    sizes interleaved within each round, so a machine slowing down mid-measurement hits every
-    size alike. One list of repeat timings per size (after one warm-up round)."""
-    lm.warmup(list(range(1, sizes + 1)))
+def medusa_heads_seconds(heads, k: int, device: torch.device, repeats: int = 10) -> float:
+    """Median time of the first k Medusa heads reading one hidden state: a sampling chain's draft."""
+    hidden = torch.randn(heads.config.hidden_size, device=device)
+    times = []
+    for _ in range(repeats + 2):
+        synchronize(device)
+        start = time.perf_counter()
+        head_logits(heads, hidden, k, device).argmax(dim=-1)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return median(times[2:])
+
+
+def forward_curve(lm: CachedLM, prompt: list[int], sizes: int | list[int], repeats: int = 7,
+                  tree: bool = False) -> list[list[float]]:
+    """Seconds of cached forwards of 1 .. `sizes` tokens (or of each size listed) after
+    prompt[:-1]: `repeats` rounds, the sizes interleaved within each round, so a machine slowing
+    down mid-measurement hits every size alike. One list of repeat timings per size (after one
+    warm-up round). `tree`: the tokens are verified as a tree (one level under the first: a
+    branching tree's mask and positions cost what any tree of that size does), not a chain."""
+    sizes = list(range(1, sizes + 1)) if isinstance(sizes, int) else list(sizes)
+    lm.warmup(sizes)
     lm.reset()
     lm.forward(device_tensor(prompt[:-1], lm.device))
-    steps = [device_tensor((prompt[-1:] * sizes)[:n], lm.device) for n in range(1, sizes + 1)]
+    steps = [device_tensor((prompt[-1:] * n)[:n], lm.device) for n in sizes]
+    trees = [tree_from_parents([-1] + [0] * (n - 1), lm.device) if tree and n > 2 else None for n in sizes]
     times: list[list[float]] = [[] for _ in steps]
     for round_ in range(repeats + 1):
-        for n, step in enumerate(steps, start=1):
+        for i, (step, shape) in enumerate(zip(steps, trees)):
             synchronize(lm.device)
             start = time.perf_counter()
-            lm.forward(step)
+            lm.forward(step, tree=shape) if shape is not None else lm.forward(step)
             synchronize(lm.device)
             if round_:
-                times[n - 1].append(time.perf_counter() - start)
-            lm.rollback(lm.length - n)
+                times[i].append(time.perf_counter() - start)
+            lm.rollback(lm.length - len(step))
     return times

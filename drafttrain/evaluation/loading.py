@@ -15,7 +15,7 @@ import torch
 from ..decoding import CachedLM, Drafter, cached_lm
 from ..decoding.drafters.eagle3 import cached_draft_for
 from ..decoding.drafters.eagle3_cache import CachedEagle3Draft
-from ..decoding.factory import max_step_tokens, tree_choice
+from ..decoding.factory import DYNAMIC_TREE_NODES, max_step_tokens, tree_choice
 from ..eagle3.export import load_eagle3
 from ..eagle3.model import Eagle3Draft
 from ..errors import UserError
@@ -104,7 +104,7 @@ def check_tree_fits(cfg: EvalConfig, models: LoadedModels) -> None:
     kind = cfg.drafter_kind
     if kind not in ("medusa", "eagle3"):
         return
-    tree = tree_choice(models.drafter(kind), cfg.decode_settings())
+    tree = tree_choice(models.drafter(kind), cfg.decode_settings(k=cfg.max_draft_tokens, nodes=cfg.max_tree_nodes))
     if tree is None or not cfg.greedy:  # a chain (sampling always runs one)
         return
     name, paths = tree
@@ -149,7 +149,9 @@ def bind_engine(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: lis
     engine cannot run stays eager); an explicit `static` on an unsupported model is an error."""
     first = cfgs[0]
     max_length = (max(len(p.ids) for p in prompts) + first.max_new_tokens
-                  + max(max_step_tokens(m.drafter(cfg.drafter_kind), cfg.decode_settings(k=cfg.max_draft_tokens)) for cfg, m in zip(cfgs, models)))
+                  + max(max_step_tokens(m.drafter(cfg.drafter_kind), cfg.decode_settings(k=cfg.max_draft_tokens,
+                                                                                           nodes=cfg.max_tree_nodes))
+                        for cfg, m in zip(cfgs, models)))
     target_lm = cached_lm(models[0].target, first.engine, max_length=max_length)
     for cfg, m in zip(cfgs, models):
         m.target_lm = target_lm
@@ -157,5 +159,6 @@ def bind_engine(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: lis
             m.draft_lm = cached_lm(m.draft, cfg.engine, max_length=max_length)
         if m.eagle3 is not None:  # the draft layer follows the target: static (compiled) beside static
             m.eagle3_lm = cached_draft_for(target_lm, m.eagle3, num_draft_tokens=cfg.max_draft_tokens,
-                                               tree_nodes=cfg.tree_nodes, tree_topk=cfg.tree_topk)
+                                               tree_nodes=cfg.max_tree_nodes or DYNAMIC_TREE_NODES,
+                                               tree_topk=cfg.tree_topk)
     return target_lm.engine

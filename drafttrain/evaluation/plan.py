@@ -1,12 +1,18 @@
-"""`--num-draft-tokens auto`: each drafter's K chosen from this machine's measured costs and the
-drafter's acceptance on OTHER prompts (`drafttrain.planning` holds the model and the search).
+"""`--num-draft-tokens auto`, `--tree-nodes auto`: each drafter's K (and tree) chosen from this
+machine's measured costs and the drafter's acceptance on OTHER prompts (`drafttrain.planning`
+holds the model and the search).
 
-The story, per drafter, before anything is timed: find its acceptance (the held-out acceptance
-its export recorded in `drafttrain.json`, else a decode of `--calibration-prompts` at the
-deepest K), measure the target's forward of 1 .. K+1 tokens and the drafter's step on the run's
-engines (interleaved repeats, medians), measure the decode loop's own overhead per step, and
-plan. A cost curve that looks like a busy machine is one `warning:` line and a note in the
-report: a plan made from noise is said to be one.
+The story, per drafter, before anything is timed. A chain drafter (draft models, parallel drafts,
+n-gram, EAGLE-3 chains, Medusa heads when sampling): find its per-position acceptance (the
+held-out acceptance its export recorded in `drafttrain.json`, else a decode of
+`--calibration-prompts` at the deepest K), measure the target's forward of 1 .. K+1 tokens and
+the drafter's step on the run's engines (interleaved repeats, medians), measure the decode
+loop's own overhead per step, and plan. A tree drafter (Medusa heads and EAGLE-3 when greedy):
+decode the calibration prompts with the largest tree of each top-k weighed, recording every
+step's candidates (what any smaller tree would have accepted is read off them), measure the
+target's verification of n tree nodes and whole steps of each (top-k, depth), and plan. A cost
+curve that looks like a busy machine is one `warning:` line and a note in the report: a plan
+made from noise is said to be one.
 """
 
 from __future__ import annotations
@@ -19,15 +25,18 @@ from pathlib import Path
 from statistics import median
 
 from ..decoding import DecodeSettings, as_cached_lm, build_decoder
+from ..decoding.factory import tree_choice
 from ..errors import UserError
 from ..export import RECORD
-from ..planning import Costs, Plan, noisy, plan_chain
+from ..planning import NODE_BUDGETS, Costs, Plan, TreeCosts, noisy, plan_chain, plan_tree, tree_node_limit
 from ..prompts import EncodedPrompt, encode_prompts, read_prompts
-from .config import PLAN_MAX_K, EvalConfig
-from .costs import forward_curve
+from .config import PLAN_MAX_K, PLAN_MAX_NODES, EvalConfig
+from .costs import eagle3_step_seconds, forward_curve, medusa_heads_seconds
 from .loading import LoadedModels
 
 CALIBRATION_PROMPTS = 8  # prompts of --calibration-prompts decoded per drafter
+TOPK_CHOICES = (1, 2, 4, 8)  # EAGLE-2 top-k weighed by --tree-nodes auto, up to --tree-topk
+STEP_PROBE_TOKENS = 16  # tokens decoded on the probe prompt to time a tree's steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +75,8 @@ def calibration_prompts(cfg: EvalConfig, tokenizer, context_limit: int | None) -
 def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedPrompt]) -> Acceptance:
     """Decode the calibration prompts with K = PLAN_MAX_K and count, per position, how often it was
     accepted and how often proposed."""
-    settings = dataclasses.replace(cfg.decode_settings(k=PLAN_MAX_K), eos_token_ids=frozenset(models.eos))
+    settings = dataclasses.replace(cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes),
+                                   eos_token_ids=frozenset(models.eos))
     decoder = build_decoder(models.target_lm or models.target, models.drafter(cfg.drafter_kind), settings)
     accepted, proposed = [], []
     for p in prompts:
@@ -105,9 +115,12 @@ def drafter_seconds(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
     drafter = models.drafter(cfg.drafter_kind)
     if drafter.kind == "ngram":
         return [0.0] * (max_k + 1), []  # a suffix lookup: nothing beside a forward
-    if drafter.kind not in ("draft", "parallel_draft"):
-        raise UserError(f"--num-draft-tokens auto plans chain drafters (draft models, parallel drafts, n-gram); "
-                        f"{cfg.drafter_name} ({drafter.kind}) drafts a tree: give --num-draft-tokens K")
+    target_lm = models.target_lm or as_cached_lm(models.target)
+    if drafter.kind == "eagle3":  # a chain: one pass of the draft layer per draft token
+        one = eagle3_step_seconds(models.eagle3_lm or models.eagle3, target_lm, probe.ids)
+        return [k * one for k in range(max_k + 1)], []
+    if drafter.kind == "medusa":  # sampling: one pass of the first k heads
+        return [0.0] + [medusa_heads_seconds(models.heads, k, models.device) for k in range(1, max_k + 1)], []
     lm = models.draft_lm or as_cached_lm(models.draft)
     if drafter.kind == "draft":  # one forward per draft token
         curve = forward_curve(lm, probe.ids, 1)
@@ -119,9 +132,18 @@ def drafter_seconds(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
     return [0.0] + [median(curve[w - 1]) for w in widths[1:]], noisy(curve)
 
 
+def plans_a_tree(cfg: EvalConfig, models: LoadedModels) -> bool:
+    """Medusa heads and EAGLE-3 drafts verify trees when greedy (EAGLE-3 unless --tree chain)."""
+    settings = cfg.decode_settings(k=cfg.max_draft_tokens, nodes=cfg.max_tree_nodes)
+    return cfg.greedy and cfg.drafter_kind in ("medusa", "eagle3") and \
+        tree_choice(models.drafter(cfg.drafter_kind), settings) is not None
+
+
 def plan_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
                  calibration: list[EncodedPrompt]) -> tuple[Plan, dict]:
     """The plan for one drafter and the report's `plan` block (SPEC §7)."""
+    if plans_a_tree(cfg, models):
+        return plan_tree_drafter(cfg, models, probe, calibration)
     acceptance = drafter_acceptance(cfg, models, calibration)
     max_k = min(PLAN_MAX_K, len(acceptance.per_position))
     target_lm = models.target_lm or as_cached_lm(models.target)
@@ -132,10 +154,8 @@ def plan_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
     costs = Costs(tuple(median(v) for v in verify), tuple(draft), loop_overhead(models, probe, single),
                   tuple(noisy(verify) + draft_noise))
     plan = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens)
-    for line in costs.warnings:
-        print(f"warning: {cfg.drafter_name}: the cost measurement looks like a busy machine ({line}); the plan "
-              "may be made from noise: run alone", file=sys.stderr)
-    block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": None, "costs": costs.as_dict(),
+    warn_noise(cfg, costs.warnings)
+    block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": None, "tree_topk": None, "costs": costs.as_dict(),
              "planned_speedup": plan.planned_speedup, "expected_tokens": plan.expected_tokens,
              "source": acceptance.source, "acceptance": acceptance.per_position,
              "proposal_rates": acceptance.proposal_rates, "extra_tokens": acceptance.extra_tokens, "candidates": plan.as_dict()["candidates"],
@@ -143,56 +163,192 @@ def plan_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
     return plan, block
 
 
+def tree_settings(cfg: EvalConfig, models: LoadedModels) -> tuple[list[int], list[int], list[int], bool]:
+    """(depths, node budgets, top-ks) a tree plan weighs, and whether the tree is EAGLE-2's dynamic one."""
+    kind = cfg.drafter_kind
+    deepest = cfg.max_draft_tokens if kind == "eagle3" else min(cfg.max_draft_tokens, models.heads.config.num_heads)
+    depths = list(range(1, deepest + 1)) if cfg.num_draft_tokens == "auto" else [deepest]
+    shape = tree_choice(models.drafter(kind), cfg.decode_settings(k=deepest, nodes=cfg.max_tree_nodes))[1]
+    dynamic = shape == "dynamic"
+    largest = PLAN_MAX_NODES if dynamic else len(shape) + 1
+    if cfg.tree_nodes == "auto":
+        nodes = sorted({n for n in NODE_BUDGETS if n < largest} | {largest})
+    else:
+        nodes = [cfg.tree_nodes or largest]
+    topks = [k for k in TOPK_CHOICES if k <= cfg.tree_topk] if dynamic and cfg.tree_nodes == "auto" else [cfg.tree_topk]
+    return depths, nodes, topks or [cfg.tree_topk], dynamic
+
+
+def recorded_trees(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedPrompt], depth: int, nodes: int,
+                   topk: int):
+    """The calibration prompts decoded with the largest tree of this top-k, every step's candidates
+    recorded (`planning.TreeStep`), and a hybrid's n-gram nodes per step."""
+    settings = dataclasses.replace(cfg.decode_settings(k=depth, nodes=nodes, topk=topk),
+                                   eos_token_ids=frozenset(models.eos))
+    decoder = build_decoder(models.target_lm or models.target, models.drafter(cfg.drafter_kind), settings)
+    decoder.recorded = []
+    lookups = getattr(decoder.drafter, "lookup_nodes", 0)
+    for p in prompts:
+        decoder.generate(p.ids, cfg.max_new_tokens)
+    steps = decoder.recorded
+    extra = (getattr(decoder.drafter, "lookup_nodes", 0) - lookups) / max(1, len(steps))
+    return steps, extra
+
+
+def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt, depth: int, nodes: int,
+                      topk: int) -> float:
+    """Median seconds of a whole decoding step (draft, verification, bookkeeping) with this tree on
+    the probe prompt; K = 0 is a plain step."""
+    kind = cfg.drafter_kind if depth else "none"
+    settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
+    decoder = build_decoder(models.target_lm or models.target, models.drafter(kind),
+                            dataclasses.replace(settings, ngram_hybrid=settings.ngram_hybrid and depth > 0))
+    decoder.generate(probe.ids, 4)  # warm
+    seconds = []
+    for _ in range(2):
+        seconds += decoder.generate(probe.ids, STEP_PROBE_TOKENS).step_seconds
+    return median(seconds)
+
+
+def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
+                      calibration: list[EncodedPrompt]) -> tuple[Plan, dict]:
+    """The plan for Medusa heads or an EAGLE-3 draft verifying trees: depth, nodes and top-k."""
+    if not calibration:
+        raise UserError(f"planning {cfg.drafter_name}'s tree needs its acceptance on other prompts than the evaluated "
+                        "ones; pass --calibration-prompts FILE")
+    depths, nodes, topks, dynamic = tree_settings(cfg, models)
+    start = time.perf_counter()
+    steps, extra, measured = {}, {}, {}
+    for topk in topks:
+        steps[topk], extra[topk] = recorded_trees(cfg, models, calibration, max(depths), max(nodes), topk)
+        for depth in depths:
+            largest = min(max(nodes), tree_node_limit(topk, depth)) if dynamic else max(nodes)
+            measured[(topk, depth)] = (largest, tree_step_seconds(cfg, models, probe, depth, largest, topk))
+    target_lm = models.target_lm or as_cached_lm(models.target)
+    sizes = sorted({1, *range(2, 9), *(n for n in NODE_BUDGETS if n <= max(nodes) + max(depths))})
+    verify = forward_curve(target_lm, probe.ids, sizes, tree=True)
+    costs = TreeCosts(tuple(sizes), tuple(median(v) for v in verify), measured,
+                      tree_step_seconds(cfg, models, probe, 0, 1, 1), tuple(noisy(verify)))
+    plan = plan_tree(steps, costs, depths, nodes, extra)
+    warn_noise(cfg, costs.warnings)
+    ranked = sorted(plan.candidates, key=lambda c: -c.planned_speedup)
+    block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": plan.tree_nodes,
+             "tree_topk": plan.tree_topk if dynamic else None, "costs": costs.as_dict(),
+             "planned_speedup": plan.planned_speedup, "expected_tokens": plan.expected_tokens,
+             "source": f"{len(calibration)} calibration prompts from {cfg.calibration_prompts} "
+                       f"({sum(len(s) for s in steps.values())} recorded tree steps)",
+             "extra_tokens": extra, "candidates": [dataclasses.asdict(c) for c in ranked],
+             "noise": list(costs.warnings), "seconds": time.perf_counter() - start}
+    return plan, block
+
+
+def warn_noise(cfg: EvalConfig, warnings) -> None:
+    for line in warnings:
+        print(f"warning: {cfg.drafter_name}: the cost measurement looks like a busy machine ({line}); the plan "
+              "may be made from noise: run alone", file=sys.stderr)
+
+
 def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], probe: EncodedPrompt,
                   calibration: list[EncodedPrompt]) -> tuple[list[EvalConfig], list[dict | None]]:
-    """Every `auto` config with its planned K (0: the target alone), and the plans for the reports."""
+    """Every `auto` config with its planned K and tree (K = 0: the target alone), and the plans
+    for the reports. A chain drafter has no tree to size: `--tree-nodes auto` leaves it as it is."""
     planned, blocks = [], []
     for cfg, m in zip(cfgs, models):
-        if cfg.num_draft_tokens != "auto" or cfg.drafter_kind == "none":
-            planned.append(cfg if cfg.num_draft_tokens != "auto" else dataclasses.replace(cfg, num_draft_tokens=0))
+        tree = cfg.drafter_kind != "none" and plans_a_tree(cfg, m)
+        if cfg.num_draft_tokens != "auto" and not (tree and cfg.tree_nodes == "auto"):
+            planned.append(dataclasses.replace(cfg, tree_nodes=None) if cfg.tree_nodes == "auto" else cfg)
+            blocks.append(None)
+            continue
+        if cfg.drafter_kind == "none":
+            planned.append(dataclasses.replace(cfg, num_draft_tokens=0, tree_nodes=None))
             blocks.append(None)
             continue
         plan, block = plan_drafter(cfg, m, probe, calibration)
-        planned.append(dataclasses.replace(cfg, num_draft_tokens=plan.num_draft_tokens))
+        planned.append(dataclasses.replace(cfg, num_draft_tokens=plan.num_draft_tokens,
+                                           tree_nodes=plan.tree_nodes if tree else None,
+                                           tree_topk=plan.tree_topk if tree and plan.tree_topk else cfg.tree_topk))
         blocks.append(block)
     return planned, blocks
 
 
 
 
-def export_plans(target, draft, acceptance: list[float], parallel: dict | None, probe: list[int]) -> dict:
-    """The plans an export records beside its held-out acceptance (`drafttrain.json` "plans"):
-    one from costs measured now on the training machine, and one for a GPU at batch 1, where a
-    forward of a few tokens costs what one token does (memory-bound) and a draft forward costs
-    its share of the target's parameters; with the vLLM `speculative_config` that GPU plan means."""
+def export_plans(target, acceptance: list[float], probe: list[int], *, where: str, draft=None,
+                 parallel: dict | None = None, eagle3=None, heads=None) -> dict:
+    """The plans an export records beside its held-out chain acceptance (`drafttrain.json` "plans",
+    the model card): one from costs measured now on the training machine, and one for a GPU at
+    batch 1, where a forward of a few tokens costs what one token does (memory-bound) and a
+    drafter's step costs its share of the target's parameters; with the launch settings that GPU
+    plan means in vLLM (`speculative_config`) and SGLang (its server flags), for the export at
+    `where`. The drafter is a draft LM (`draft`, `parallel` for a parallel one), an EAGLE-3 draft
+    or Medusa heads."""
     from ..decoding import EagerLM
 
-    max_k = min(PLAN_MAX_K, len(acceptance))
+    max_k = min(PLAN_MAX_K, len(acceptance), heads.config.num_heads if heads is not None else PLAN_MAX_K)
     if max_k == 0:
         return {}
-    target_lm, draft_lm = EagerLM(target), EagerLM(draft)
+    target_lm = EagerLM(target)
     verify = tuple(median(t) for t in forward_curve(target_lm, probe, max_k + 1))
-    share = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
-    if parallel:
-        widths = [min(2 * max_k, round(1 + sum(acceptance[:k - 1])) + k - 1) for k in range(1, max_k + 1)]
-        curve = forward_curve(draft_lm, probe, max(widths))
-        here = (0.0, *(median(curve[w - 1]) for w in widths))
-        gpu_draft = (0.0, *([share] * max_k))
-    else:
-        one = median(forward_curve(draft_lm, probe, 1)[0])
-        here = tuple(k * one for k in range(max_k + 1))
-        gpu_draft = tuple(k * share for k in range(max_k + 1))
+    here, gpu_draft = drafter_step_costs(target, target_lm, probe, acceptance, max_k, draft, parallel, eagle3, heads)
     cpu = plan_chain(acceptance, Costs(verify, here))
     gpu = plan_chain(acceptance, Costs((1.0,) * (max_k + 1), gpu_draft))
-    config = {"method": "draft_model", "num_speculative_tokens": max(gpu.num_draft_tokens, 1)}
-    if parallel:
-        config["parallel_drafting"] = True
+    k = max(gpu.num_draft_tokens, 1)
     return {"this_machine": {"num_draft_tokens": cpu.num_draft_tokens, "planned_speedup": cpu.planned_speedup,
                              "costs": Costs(verify, here).as_dict()},
             "gpu_batch1": {"num_draft_tokens": gpu.num_draft_tokens, "planned_speedup": gpu.planned_speedup,
-                           "assumption": f"verification flat in tokens; a draft forward costs {share:.3f} of a "
-                                         "target forward (its parameter share)"},
-            "vllm_speculative_config": config}
+                           "assumption": "verification flat in tokens; a drafter step costs its share of the "
+                                         f"target's parameters ({gpu_draft[1]:.3f} for the first draft token)"},
+            **served_settings(k, where, parallel, eagle3 is not None, heads is not None)}
 
 
-__all__ = ["CALIBRATION_PROMPTS", "Acceptance", "export_plans", "plan_drafter", "resolve_plans"]
+def planned_k(plans: dict) -> dict:
+    """The model card's line for an export's plans (empty without any)."""
+    if not plans:
+        return {}
+    return {"planned K (drafttrain.json)": f"{plans['gpu_batch1']['num_draft_tokens']} on a GPU at batch 1 (vLLM "
+            f"num_speculative_tokens), {plans['this_machine']['num_draft_tokens']} on the training machine (0: no "
+            "speculation pays there)"}
+
+
+def parameter_share(module, target) -> float:
+    return sum(p.numel() for p in module.parameters()) / sum(p.numel() for p in target.parameters())
+
+
+def drafter_step_costs(target, target_lm, probe, acceptance, max_k, draft, parallel, eagle3, heads):
+    """(seconds of a step drafting k = 0 .. max_k tokens here, the same on a GPU in target forwards)."""
+    from ..decoding import EagerLM
+
+    if eagle3 is not None:  # one pass of the draft layer per draft token
+        one = eagle3_step_seconds(eagle3, target_lm, probe)
+        own = sum(p.numel() for name, p in eagle3.named_parameters() if "embed" not in name)
+        share = own / sum(p.numel() for p in target.parameters())
+        return tuple(k * one for k in range(max_k + 1)), tuple(k * share for k in range(max_k + 1))
+    if heads is not None:  # one pass of the first k heads
+        share = parameter_share(heads, target) / heads.config.num_heads
+        device = next(target.parameters()).device
+        return ((0.0, *(medusa_heads_seconds(heads, k, device) for k in range(1, max_k + 1))),
+                tuple(k * share for k in range(max_k + 1)))
+    draft_lm, share = EagerLM(draft), parameter_share(draft, target)
+    if parallel:  # one forward of the pending tokens and k - 1 masks
+        widths = [min(2 * max_k, round(1 + sum(acceptance[:k - 1])) + k - 1) for k in range(1, max_k + 1)]
+        curve = forward_curve(draft_lm, probe, max(widths))
+        return (0.0, *(median(curve[w - 1]) for w in widths)), (0.0, *([share] * max_k))
+    one = median(forward_curve(draft_lm, probe, 1)[0])
+    return tuple(k * one for k in range(max_k + 1)), tuple(k * share for k in range(max_k + 1))
+
+
+def served_settings(k: int, where: str, parallel: dict | None, eagle3: bool, heads: bool) -> dict:
+    """vLLM's `speculative_config` and SGLang's server flags for K drafts a step of the export at
+    `where` (SGLang serves no Medusa heads)."""
+    method = "eagle3" if eagle3 else "medusa" if heads else "draft_model"
+    vllm = {"method": method, "model": where, "num_speculative_tokens": k,
+            **({"parallel_drafting": True} if parallel else {})}
+    out = {"vllm_speculative_config": vllm}
+    if not heads and not parallel:
+        out["sglang_server_args"] = {"speculative_algorithm": "EAGLE3" if eagle3 else "STANDALONE",
+                                     "speculative_draft_model_path": where, "speculative_num_steps": k,
+                                     "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1}
+    return out
+
+
+__all__ = ["CALIBRATION_PROMPTS", "Acceptance", "export_plans", "planned_k", "plan_drafter", "plan_tree_drafter", "resolve_plans"]

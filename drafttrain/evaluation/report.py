@@ -304,28 +304,55 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
 
 
 def plan_section(plan: dict | None) -> list[str]:
-    """The report's account of `--num-draft-tokens auto`: the costs measured, each K's planned
-    speedup, the K chosen, and how the plan compares with the measured speedup."""
+    """The report's account of `--num-draft-tokens auto` / `--tree-nodes auto`: the costs measured,
+    the settings weighed with their planned speedups, the one chosen, and how the plan compares
+    with the measured speedup."""
     if not plan:
         return []
-    costs = plan["costs"]
-    ms = lambda xs: " / ".join(f"{x * 1e3:.1f}" for x in xs)  # noqa: E731
     chosen = plan["num_draft_tokens"]
-    lines = ["## Plan (--num-draft-tokens auto)", "",
-             f"K = {chosen}" + (" (no speculation: the target alone)" if chosen == 0 else "")
+    tree = "verify_sizes" in plan["costs"]
+    setting = f"K = {chosen}" + (f", {plan['tree_nodes']} nodes" if tree and chosen else "") + \
+        (f", top-{plan['tree_topk']}" if plan.get("tree_topk") and chosen else "")
+    lines = ["## Plan (auto)", "",
+             setting + (" (no speculation: the target alone)" if chosen == 0 else "")
              + f", planned speedup {_fmt(plan['planned_speedup'], 2)}, measured {_fmt(plan.get('measured_speedup'), 2)}. "
              f"Acceptance: {plan['source']}. Costs measured on this machine before timing "
-             f"({_fmt(plan.get('seconds'), 1)} s, not in tokens/s): target forward of 1 .. {len(costs['verify_seconds'])} "
-             f"tokens {ms(costs['verify_seconds'])} ms; the drafter's step for K = 0 .. "
-             f"{len(costs['draft_seconds']) - 1}: {ms(costs['draft_seconds'])} ms; loop overhead "
-             f"{costs['overhead_seconds'] * 1e3:.1f} ms a step (model: `drafttrain.planning`).", "",
-             "| K | expected tokens/step | planned speedup |", "|---|---|---|"]
-    lines += [f"| {c['num_draft_tokens']}{' (chosen)' if c['num_draft_tokens'] == chosen else ''} | "
-              f"{_fmt(c['expected_tokens'])} | {_fmt(c['planned_speedup'], 2)} |" for c in plan["candidates"]]
+             f"({_fmt(plan.get('seconds'), 1)} s, not in tokens/s): " + (tree_costs_text(plan["costs"]) if tree else
+                                                                          chain_costs_text(plan["costs"]))
+             + " (model: `drafttrain.planning`).", ""]
+    shown = plan["candidates"][:12] if tree else plan["candidates"]
+    header = ["K", "nodes", "top-k"] if tree else ["K"]
+    lines += [f"| {' | '.join(header)} | expected tokens/step | planned speedup |",
+              "|" + "---|" * (len(header) + 2)]
+    for c in shown:
+        mark = " (chosen)" if (c["num_draft_tokens"], c.get("tree_nodes"), c.get("tree_topk")) == \
+            (chosen, plan.get("tree_nodes"), plan.get("tree_topk") or c.get("tree_topk")) else ""
+        cells = [f"{c['num_draft_tokens']}{mark}"] + ([_fmt(c.get("tree_nodes")), _fmt(c.get("tree_topk"))] if tree else [])
+        lines.append(f"| {' | '.join(cells)} | {_fmt(c['expected_tokens'])} | {_fmt(c['planned_speedup'], 2)} |")
+    if tree and len(plan["candidates"]) > len(shown):
+        lines += ["", f"The {len(shown)} best of {len(plan['candidates'])} settings weighed (all: report.json `plan`)."]
     if plan.get("noise"):
         lines += ["", "**The cost measurement looked like a busy machine** (" + "; ".join(plan["noise"])
                   + "): the plan may be made from noise; measure alone."]
     return lines + [""]
+
+
+def _ms(xs) -> str:
+    return " / ".join(f"{x * 1e3:.1f}" for x in xs)
+
+
+def chain_costs_text(costs: dict) -> str:
+    return (f"target forward of 1 .. {len(costs['verify_seconds'])} tokens {_ms(costs['verify_seconds'])} ms; the "
+            f"drafter's step for K = 0 .. {len(costs['draft_seconds']) - 1}: {_ms(costs['draft_seconds'])} ms; loop "
+            f"overhead {costs['overhead_seconds'] * 1e3:.1f} ms a step")
+
+
+def tree_costs_text(costs: dict) -> str:
+    steps = "; ".join(f"K {s['num_draft_tokens']}, top-{s['tree_topk']}, {s['tree_nodes']} nodes: "
+                      f"{s['seconds'] * 1e3:.1f}" for s in costs["step_seconds"])
+    return (f"target verification of {', '.join(map(str, costs['verify_sizes']))} tree nodes "
+            f"{_ms(costs['verify_seconds'])} ms; a plain step {costs['plain_step_seconds'] * 1e3:.1f} ms; whole steps "
+            f"measured (ms): {steps}")
 
 
 def _heads_note(info: dict | None) -> list[str]:

@@ -68,16 +68,13 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
     overall = compute_metrics(results, k, cfg.greedy, **kwargs)
     mem, mem_kind = peak_memory(models.device)
     overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
-    if cfg.drafter_kind == "eagle3":
-        overall["tree"] = decoder.tree_name
-        if overall["tree"].startswith("dynamic"):
+    tree = getattr(decoder, "tree_name", None)  # None: a chain drafter, or a plan of no speculation
+    if tree is not None and (cfg.drafter_kind in ("eagle3", "medusa") or cfg.ngram):
+        overall["tree"] = tree
+        if cfg.drafter_kind == "medusa" or tree.startswith("dynamic"):
             overall["tree_nodes"] = decoder.num_tree_nodes
-    if cfg.ngram:
-        overall["tree"] = decoder.tree_name
     if cfg.drafter_kind == "medusa":
         overall["per_head_acceptance"] = overall["per_position_acceptance"]  # position i = head i's token
-        overall["tree_nodes"] = decoder.num_tree_nodes
-        overall["tree"] = decoder.tree_name
     return {
         "drafter": cfg.drafter_name,
         # SPEC §2 rev 2: config.engine is the engine used; what was asked for is engine.requested.

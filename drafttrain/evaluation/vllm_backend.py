@@ -73,8 +73,8 @@ def check_servable(cfg: EvalConfig) -> None:
         raise UserError(f"{where}: --num-draft-tokens auto plans drafttrain's own decoder; give vLLM a fixed K "
                         "(for instance the plan an auto run reported)")
     if cfg.ngram:
-        raise UserError(f"{where}: vLLM cannot verify a draft and n-gram lookup as one tree (+ngram); serve the draft "
-                        "or n-gram lookup alone")
+        raise UserError(f"{where}: vLLM cannot verify a drafter and n-gram lookup as one tree (+ngram); serve the "
+                        "drafter or n-gram lookup alone")
     if cfg.drafter_kind in ("medusa", "eagle3") and cfg.tree not in ("auto", "chain"):
         raise UserError(f"{where}: vLLM serves Medusa heads and EAGLE-3 drafts as a chain of K drafts, not the "
                         f"--tree {cfg.tree} tree (EAGLE-2's dynamic tree included); use --tree chain")

@@ -83,10 +83,12 @@ def _model_card(cfg: dict, notes: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_medusa(heads: MedusaHeads, out_dir, extra: dict | None = None, card_notes: str | None = None) -> Path:
-    """Write config.json, model.safetensors (vLLM key names) and README.md, atomically."""
+def save_medusa(heads: MedusaHeads, out_dir, extra: dict | None = None, card_notes: str | None = None,
+                record: dict | None = None) -> Path:
+    """Write config.json, model.safetensors (vLLM key names) and README.md, atomically; `record`:
+    drafttrain.json (held-out chain acceptance and plans)."""
     cfg = medusa_config_dict(heads.config, next(heads.parameters()).dtype, extra)
-    return save_tensor_dir(out_dir, heads.state_dict(), cfg, _model_card(cfg, card_notes))
+    return save_tensor_dir(out_dir, heads.state_dict(), cfg, _model_card(cfg, card_notes), record)
 
 
 def _config_int(cfg: dict, key: str, path: Path) -> int:

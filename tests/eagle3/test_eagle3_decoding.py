@@ -6,8 +6,11 @@ brute-force EAGLE-2 expansion builds."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +20,15 @@ from sampling_reference import chi2_pvalue, exact_two_token_distribution
 
 from drafttrain.decoding.drafters.eagle3 import eagle3_decoder, Eagle3TreeDrafter
 from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
+from drafttrain.planning import accepted_within
+from drafttrain.trees import resolve_tree
 from tiny import greedy_reference, tiny_lm
 
 EOS = 2
 PROMPTS = [[5, 9, 13, 7, 5, 9], [40, 41], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]]
 STATIC_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
 TREES = {"chain": "chain", "static": STATIC_TREE, "dynamic": "dynamic"}
+TREE_FILE = Path(tempfile.mkdtemp()) / "tree.json"
 
 
 @pytest.mark.slow
@@ -176,3 +182,35 @@ def test_compiled_draft_steps_equal_generate_without_recompiling(trained_pair):
                 assert gen.tokens == greedy_reference(target, prompt, 18)
                 accepted += gen.accepted_lengths
         assert sum(accepted) > 0 and any(a < 3 for a in accepted)  # drafts accepted, and rolled back
+
+
+# -- planning: what the largest tree's recorded steps say a smaller tree accepts -------------------
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_the_recorded_steps_tell_what_a_smaller_tree_accepts(trained_pair, tree):
+    """A decode with the largest tree records each step's ranked candidates; a smaller tree's first
+    step (the same state: right after prefill) accepts exactly what `accepted_within` reads off the
+    largest tree's first record, and every recorded step agrees with what the decoder accepted."""
+    target, draft = trained_pair
+    shape = "dynamic" if tree == "dynamic" else STATIC_TREE
+
+    def decoder(depth, nodes):
+        paths = shape if tree == "dynamic" else resolve_tree(str(TREE_FILE), depth, nodes=nodes)[1]
+        return eagle3_decoder(target, draft, num_draft_tokens=depth, tree="dynamic" if tree == "dynamic" else paths,
+                              tree_nodes=nodes, tree_topk=3)
+
+    TREE_FILE.write_text(json.dumps([list(p) for p in STATIC_TREE]))
+    checked = 0
+    for prompt in PROMPTS:
+        big = decoder(4, 24)
+        big.recorded = []
+        gen = big.generate(prompt, 16)
+        assert len(big.recorded) == len(gen.accepted_lengths)
+        for step, accepted in list(zip(big.recorded, gen.accepted_lengths))[:-1]:  # the last may stop at EOS
+            assert accepted_within(step, 4, 24) == accepted
+        for depth, nodes in [(1, 2), (2, 4), (3, 6), (4, 9), (2, 24)]:
+            first = decoder(depth, nodes).generate(prompt, 16).accepted_lengths[0]
+            assert first == accepted_within(big.recorded[0], depth, nodes), (prompt, depth, nodes)
+            checked += first > 0
+    assert checked  # some first steps accepted drafts: the check saw more than empty paths

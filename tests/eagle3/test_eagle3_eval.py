@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from drafttrain.cli import main
+from drafttrain.evaluation.config import PLAN_MAX_K
 from drafttrain.eagle3.export import save_eagle3
 from eagle3_helpers import tiny_target
 from tiny import greedy_reference, save_pair, tiny_tokenizer
@@ -49,21 +50,27 @@ def test_eval_eagle3_is_lossless_and_reported(files, tree, tmp_path):
     overall = report["overall"]
     assert overall["outputs_match_baseline"] == 1.0
     assert overall["accepted_tokens"] > 0 and overall["mean_accepted_length"] > 1.0
-    assert len(overall["per_position_acceptance"]) == 3
+    # --tree-nodes 10 keeps a static tree's first 9 paths: the default tree's are 1 and 2 deep
+    assert len(overall["per_position_acceptance"]) == {"auto": 3, "chain": 3, "default": 2}[tree]
     assert report["config"]["eagle3"] == str(root / "eagle3") and report["drafter"] == "eagle3"
     assert report["eagle3"]["aux_layer_ids"] == [2, 3, 4]
-    assert overall["tree"] == {"auto": "dynamic (10 nodes, top-4)", "chain": "chain", "default": "default"}[tree]
+    assert overall["tree"] == {"auto": "dynamic (10 nodes, top-4)", "chain": "chain",
+                               "default": "default, its first 10 nodes"}[tree]
     assert overall["predicted"]["cost_ratio"] > 0  # the draft layer's measured cost
 
 
 def test_compare_eagle3_beside_ngram(files, tmp_path):
+    """...and beside itself with n-gram lookup as one more branch of its tree (`+ngram`)."""
     root, references = files
     assert main(["compare", "--target", str(root / "target"), "--drafter", f"e3=eagle3:{root / 'eagle3'}",
-                 "--drafter", "ng=ngram", "--prompts", str(root / "p.jsonl"), "--max-new-tokens", str(MAX_NEW),
-                 "--dtype", "float64", "--out", str(tmp_path / "cmp"), "--quiet"]) == 0
+                 "--drafter", "ng=ngram", "--drafter", f"e3ng=eagle3:{root / 'eagle3'}+ngram", "--prompts",
+                 str(root / "p.jsonl"), "--max-new-tokens", str(MAX_NEW), "--dtype", "float64", "--out",
+                 str(tmp_path / "cmp"), "--quiet"]) == 0
     table = {r["drafter"]: r for r in json.loads((tmp_path / "cmp" / "comparison.json").read_text())["drafters"]}
-    assert set(table) == {"e3", "ng"}
-    assert table["e3"]["outputs_match_baseline"] == 1.0
+    assert set(table) == {"e3", "ng", "e3ng"}
+    assert table["e3"]["outputs_match_baseline"] == table["e3ng"]["outputs_match_baseline"] == 1.0
+    hybrid = json.loads((tmp_path / "cmp" / "e3ng" / "report.json").read_text())
+    assert hybrid["config"]["ngram"] and hybrid["overall"]["tree"].endswith("+ n-gram chain (up to 4 nodes)")
 
 
 def test_damaged_or_foreign_eagle3_is_one_error_line(files, tmp_path, capsys):
@@ -129,4 +136,45 @@ def test_eagle3_tree_that_cannot_fit_the_draft_vocabulary_is_one_error_line(file
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error:"), err
     assert all(w in err[0] for w in words), err[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--num-draft-tokens", "auto"]])
+def test_a_planned_tree_decodes_with_its_plan_and_equals_the_target(files, tmp_path, extra):
+    """--tree-nodes auto (with --num-draft-tokens auto: depth too): the calibration prompts decode
+    the largest tree of each top-k up to --tree-topk, every (top-k, depth) is timed whole, and the
+    chosen setting is the one that decodes, losslessly."""
+    root, references = files
+    calibration = tmp_path / "c.jsonl"
+    calibration.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i} w{i + 1} w{i + 2}"}) + "\n"
+                                   for i in (5, 20, 33)))
+    report, rows = run(["eval", "--target", str(root / "target"), "--eagle3", str(root / "eagle3"),
+                        "--prompts", str(root / "p.jsonl"), "--max-new-tokens", str(MAX_NEW), "--dtype", "float64",
+                        "--num-draft-tokens", "3", *extra, "--tree-nodes", "auto", "--tree-topk", "4",
+                        "--calibration-prompts", str(calibration), "--out", str(tmp_path / "out"), "--quiet"])
+    plan = report["plan"]
+    assert [r["speculative_token_ids"] for r in rows] == references
+    weighed = {(c["num_draft_tokens"], c["tree_topk"]) for c in plan["candidates"] if c["num_draft_tokens"]}
+    depths = range(1, PLAN_MAX_K + 1) if extra else [3]
+    assert weighed == {(d, k) for d in depths for k in (1, 2, 4)}
+    assert {(s["num_draft_tokens"], s["tree_topk"]) for s in plan["costs"]["step_seconds"]} == weighed
+    best = max(plan["candidates"], key=lambda c: c["planned_speedup"])
+    assert plan["planned_speedup"] == pytest.approx(best["planned_speedup"])
+    assert report["config"]["num_draft_tokens"] == plan["num_draft_tokens"]
+    if plan["num_draft_tokens"]:
+        assert report["config"]["tree_nodes"] == plan["tree_nodes"] and report["config"]["tree_topk"] == plan["tree_topk"]
+        assert overall_nodes(report) <= plan["tree_nodes"]
+    assert plan["source"].startswith("3 calibration prompts") and "recorded tree steps" in plan["source"]
+
+
+def overall_nodes(report) -> int:
+    return report["overall"].get("tree_nodes") or 0
+
+
+def test_a_planned_tree_needs_calibration_prompts(files, tmp_path, capsys):
+    root, _ = files
+    code = main(["eval", "--target", str(root / "target"), "--eagle3", str(root / "eagle3"), "--prompts",
+                 str(root / "p.jsonl"), "--tree-nodes", "auto", "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and "--calibration-prompts" in err[0]
     assert not (tmp_path / "out").exists()

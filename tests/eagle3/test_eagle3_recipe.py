@@ -63,6 +63,16 @@ def test_the_draft_learns_and_exports_in_the_serving_layout(trained):
     assert "chain" in card and "dynamic" in card  # the acceptance table, both ways
     dynamic = json.loads((trained / "eval" / "final_dynamic.json").read_text())
     assert dynamic["tau"] >= final["tau"] - 0.05  # a tree never does much worse than its own chain
+    # drafttrain.json: the chain's held-out acceptance and the plans it implies, with launch settings
+    record = json.loads((trained / "final" / "drafttrain.json").read_text())
+    assert record["held_out"]["per_position_acceptance"] == final["per_position_acceptance"]  # eval.tree: chain
+    plans, k = record["plans"], max(record["plans"]["gpu_batch1"]["num_draft_tokens"], 1)
+    assert plans == json.loads((trained / "eval" / "plans.json").read_text())
+    assert plans["vllm_speculative_config"] == {"method": "eagle3", "model": str(trained / "final"),
+                                                "num_speculative_tokens": k}
+    assert plans["sglang_server_args"]["speculative_algorithm"] == "EAGLE3"
+    assert plans["sglang_server_args"]["speculative_num_draft_tokens"] == k + 1
+    assert "planned K (drafttrain.json)" in card
 
 
 def test_the_export_decodes_losslessly_in_eval(setup, trained, tmp_path, capsys):

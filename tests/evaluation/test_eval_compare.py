@@ -11,6 +11,7 @@ from tiny import save_pair, tiny_lm, tiny_tokenizer
 from drafttrain.cli import main
 from drafttrain.errors import UserError
 from drafttrain.evaluation.compare import parse_drafter
+from drafttrain.evaluation.config import EvalConfig
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +37,26 @@ def test_parse_drafter():
     assert parse_drafter("a=draft:/x") == ("a", {"draft": "/x", "ngram": False})
     assert parse_drafter("a=draft:/x+ngram") == ("a", {"draft": "/x", "ngram": True})
     assert parse_drafter("h=heads:d") == ("h", {"heads": "d", "ngram": False})
+    assert parse_drafter("h=heads:d+ngram") == ("h", {"heads": "d", "ngram": True})
+    assert parse_drafter("e=eagle3:E+ngram@vllm") == ("e", {"eagle3": "E", "ngram": True, "backend": "vllm"})
     assert parse_drafter("n=ngram") == ("n", {"method": "ngram"})
-    for bad in ("nodash", "a=draft", "a=ngram:x", "a=magic", "=ngram", "a/b=ngram", ".a=ngram"):
-        with pytest.raises(UserError):
+    for bad in ("nodash", "a=draft", "a=ngram:x", "a=magic", "=ngram", "a/b=ngram", ".a=ngram", "a=ngram+ngram",
+                "a=none+ngram", "a=eagle3:+ngram", "a=heads+ngram"):
+        with pytest.raises(UserError, match=r"NAME=heads:DIR\+ngram, NAME=eagle3:DIR\+ngram|NAME names"):
             parse_drafter(bad)
+
+
+@pytest.mark.parametrize("drafter", [dict(draft="D"), dict(heads="H"), dict(eagle3="E")])
+def test_ngram_joins_any_drafter_with_weights_greedily(drafter):
+    cfg = EvalConfig(target="T", prompts=["p.jsonl"], out="o", ngram=True, **drafter)
+    cfg.validate()
+    assert cfg.drafter_name == next(iter(drafter.values())) + "+ngram"
+    assert cfg.decode_settings().ngram_hybrid
+    with pytest.raises(UserError, match="greedy"):
+        EvalConfig(target="T", prompts=["p.jsonl"], out="o", ngram=True, temperature=0.5, **drafter).validate()
+    for method in ("ngram", "none"):
+        with pytest.raises(UserError, match="--draft DIR, --heads DIR or --eagle3 DIR"):
+            EvalConfig(target="T", prompts=["p.jsonl"], out="o", ngram=True, method=method).validate()
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,8 @@ def test_each_drafter_becomes_vllms_speculative_config():
 @pytest.mark.parametrize("kw, words", [
     (dict(draft="D", num_draft_tokens="auto"), ["--num-draft-tokens auto", "fixed K"]),
     (dict(draft="D", ngram=True), ["+ngram", "as one tree"]),
+    (dict(heads="H", ngram=True), ["+ngram", "as one tree"]),
+    (dict(eagle3="E", ngram=True), ["+ngram", "as one tree"]),
     (dict(eagle3="E", tree="dynamic"), ["--tree dynamic", "--tree chain"]),
     (dict(heads="H", tree="default"), ["--tree default", "chain"]),
 ])

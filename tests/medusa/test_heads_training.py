@@ -180,6 +180,16 @@ def test_medusa1_raises_tau_and_leaves_the_target_alone(setup, tmp_path, monkeyp
     assert info == {"kind": "medusa-1", "target": str(setup / "target"), "tree": calibrated["tree"],
                     "topk_accuracy": calibrated["topk_accuracy"]}
     assert [tuple(p) for p in info["tree"]] == tree_from_accuracies(info["topk_accuracy"], 22)
+    # drafttrain.json: the heads' held-out acceptance as a chain (what vLLM serves) and the plans it implies
+    record = json.loads((out / "final" / "drafttrain.json").read_text())
+    heads = json.loads((out / "final" / "config.json").read_text())["num_heads"]
+    assert len(record["held_out"]["per_position_acceptance"]) == heads
+    plans = record["plans"]
+    assert plans["vllm_speculative_config"] == {"method": "medusa", "model": str(out / "final"),
+                                                "num_speculative_tokens": max(plans["gpu_batch1"]["num_draft_tokens"], 1)}
+    assert "sglang_server_args" not in plans  # SGLang serves no Medusa heads
+    assert 0 <= plans["this_machine"]["num_draft_tokens"] <= heads
+    assert "planned K (drafttrain.json)" in (out / "final" / "README.md").read_text()
     # The export is what was evaluated: drafttrain eval measures the same tau, lossless, with the
     # calibrated tree by default and with the default tree on request.
     report = run_eval(setup / "target", out / "final", out / "heldout.jsonl", tmp_path / "eval", capsys)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ...eagle3.model import DraftStep, Eagle3Draft
-from ...trees import Path, check_paths, static_tree, tree_from_parents
+from ...trees import Path, best_first, check_paths, static_tree, tree_from_parents
 from ..chain import ChainDecoder, Proposer
 from ..engines import StaticLM, as_cached_lm, device_tensor
 from ..tree import TreeDecoder, TreeDrafter
@@ -155,6 +155,7 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         self.device = torch.device(device)
         if paths is not None:
             self.buffers = static_tree(check_paths(paths))
+            self.rank = {p: i for i, p in enumerate(best_first(paths))}  # path -> its place, best first
             self.max_depth, self.max_nodes, self.topk = self.buffers.max_depth, self.buffers.num_nodes, self.buffers.topk
             self.paths = list(self.buffers.paths)
         else:
@@ -165,6 +166,7 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
             self.max_depth, self.topk = depth, topk
             self.max_nodes = min(nodes, 1 + topk + (depth - 1) * topk * topk)  # what the expansion can produce
         self.committed = 0
+        self._ranked = None  # the last draft's candidates, for `candidates`
 
     @property
     def kind(self) -> str:
@@ -194,6 +196,7 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
     def draft(self, root, depth):
         last = self.state.last
         depth = min(depth, self.max_depth)
+        self._ranked = ([], [], [], [])  # nothing drafted, until a tree is
         if last is None or depth == 0:
             return root.reshape(1), tree_from_parents([-1], self.device)
         if self.buffers is not None:
@@ -251,7 +254,19 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
                 self._expand(to_expand, tokens, parents, expanded, outputs, hidden_of, d)
         index = {node: i for i, node in enumerate(keep)}
         tree = tree_from_parents([-1] + [index[parents[n]] for n in keep[1:]], self.device)
+        ranked = sorted(range(1, len(keep)), key=lambda i: self.rank[buffers.paths[keep[i] - 1]])
+        self._ranked = (ranked, tokens, tree.parents, [depths[n] for n in keep])
         return torch.stack(tokens), tree
+
+    def candidates(self):
+        """Every node drafted, best first: EAGLE-2's rank (cumulative log-probability; a smaller
+        budget keeps the first ones), or a static tree's node order."""
+        if self._ranked is None:
+            return None
+        ranked, tokens, parents, depths = self._ranked
+        values = torch.stack([tokens[n] for n in ranked]).tolist() if ranked else []
+        rank = {n: i for i, n in enumerate(ranked)}
+        return values, [rank.get(parents[n], -1) for n in ranked], [depths[n] for n in ranked]
 
     def _dynamic(self, root, depth):
         """EAGLE-2: grow by cumulative draft log-probability, keep the most likely `nodes - 1`."""
@@ -285,7 +300,9 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
             frontier = sorted(frontier)
         # The nodes - 1 most likely candidates (ties: shallower first, then earlier), in an order
         # where parents precede children: by depth, then by creation.
-        chosen = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n], n))[:self.max_nodes - 1]
+        ranked = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n], n))
+        self._ranked = (ranked, tokens, parents, depths)
+        chosen = ranked[:self.max_nodes - 1]
         chosen = sorted(chosen, key=lambda n: (depths[n], n))
         index = {0: 0, **{node: i + 1 for i, node in enumerate(chosen)}}
         tree = tree_from_parents([-1] + [index[parents[n]] for n in chosen], self.device)

@@ -27,7 +27,7 @@ import torch
 
 from ...errors import UserError
 from ...medusa.model import MedusaHeads
-from ...trees import Path, StaticTree, chain_tree, default_tree, static_tree
+from ...trees import Path, StaticTree, best_first, chain_tree, default_tree, static_tree
 from ..chain import ChainDecoder, Proposer
 from ..engines import as_cached_lm
 from ..tree import TreeDecoder, TreeDrafter
@@ -60,9 +60,14 @@ class MedusaDrafter(TreeDrafter):
 
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, buffers: StaticTree, num_layers: int, device):
+    def __init__(self, heads: MedusaHeads, buffers: StaticTree, num_layers: int, device,
+                 order: list[Path] | None = None):
+        """`order`: the tree's paths best first (a calibrated tree's own order, which is what a
+        smaller node budget keeps first: `candidates`); default the node order."""
         self.heads = heads
         self.buffers = buffers
+        self.rank = {p: i for i, p in enumerate(best_first(order or buffers.paths))}  # path -> its place
+        self._last: tuple[torch.Tensor, StaticTree] | None = None
         self.max_depth, self.max_nodes, self.paths = buffers.max_depth, buffers.num_nodes, list(buffers.paths)
         self.hidden_layers = (num_layers,)
         self.device = torch.device(device)
@@ -81,14 +86,30 @@ class MedusaDrafter(TreeDrafter):
         self.hidden = hidden[-1] if hidden is not None and len(hidden) else None
 
     def draft(self, root, depth):
+        self._last = None
         if self.hidden is None:  # a one-token prompt: nothing for the heads to read yet
             depth = 0
         tree = self._tree(depth)
         if tree.max_depth == 0:
+            self._last = (root.reshape(1), tree)
             return root.reshape(1), tree
         topk = head_logits(self.heads, self.hidden, tree.max_depth, self.device).topk(tree.topk, dim=-1).indices
         self.forwards += 1
-        return tree_candidates(root, topk, tree), tree
+        tokens = tree_candidates(root, topk, tree)
+        self._last = (tokens, tree)
+        return tokens, tree
+
+    def candidates(self):
+        """The last tree's nodes best first, in the order of the paths as given (a calibrated tree
+        lists them by expected acceptance)."""
+        if self._last is None:
+            return None
+        tokens, tree = self._last
+        nodes = sorted(range(1, tree.num_nodes), key=lambda n: self.rank[tree.paths[n - 1]])
+        position = {n: i for i, n in enumerate(nodes)}
+        values = tokens.tolist()
+        return ([values[n] for n in nodes], [position.get(tree.parents[n], -1) for n in nodes],
+                [len(tree.paths[n - 1]) for n in nodes])
 
     def commit(self, nodes, accepted, bonus, hidden=None):
         self.hidden = hidden[-1]
@@ -155,5 +176,5 @@ def medusa_decoder(target, heads: MedusaHeads, *, tree: list[Path] | None = None
         attn = getattr(lm.model.config, "_attn_implementation", None)
         raise UserError(f"tree decoding needs an attention kernel that accepts custom masks, but the target "
                         f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
-    return TreeDecoder(lm, MedusaDrafter(heads, buffers, lm.num_layers, lm.device), eos_token_ids=eos_token_ids,
-                       record_margins=record_margins)
+    return TreeDecoder(lm, MedusaDrafter(heads, buffers, lm.num_layers, lm.device, order=paths),
+                       eos_token_ids=eos_token_ids, record_margins=record_margins)

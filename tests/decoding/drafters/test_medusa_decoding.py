@@ -12,7 +12,9 @@ from engines import ENGINES, on_engine, ready
 from sampling_reference import V, chi2_pvalue, exact_two_token_distribution
 from tiny import greedy_reference, tiny_lm
 
+from drafttrain.decoding import DecodeSettings, Drafter, build_decoder
 from drafttrain.decoding.drafters.medusa import medusa_decoder
+from drafttrain.planning import accepted_within
 from drafttrain.decoding.verify import probabilities
 from drafttrain.errors import UserError
 from drafttrain.medusa import MedusaConfig, MedusaHeads
@@ -275,3 +277,27 @@ def test_sampling_same_seed_same_samples(engine):
     assert first == second
     assert len({tuple(t) for t in first}) > 1
     assert all(len(t) == 12 for t in first)
+
+
+def test_the_recorded_steps_tell_what_a_smaller_tree_accepts(target):
+    """Decoded with the whole calibrated tree, each step records its nodes best first (the tree's
+    own order); the first step of the tree cut to fewer nodes or depths (the same state: right
+    after prefill) accepts exactly what `accepted_within` reads off the first record."""
+    calibrated = [(0,), (0, 0), (1,), (0, 0, 0), (0, 1), (2,), (1, 0), (0, 0, 1), (3,), (0, 2)]  # best first
+    checked = 0
+    for seed, prompt in enumerate(PROMPTS):
+        text = prompt + reference(target, prompt, 12)
+        heads = PlantedHeads(target, 3, text, planted_ranks(len(text), 3, seed, perfect=False), seed=seed)
+        drafter = Drafter("medusa", heads, {"tree": [list(p) for p in calibrated]})
+        big = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=3))
+        big.recorded = []
+        gen = big.generate(prompt, 12)
+        for step, accepted in list(zip(big.recorded, gen.accepted_lengths))[:-1]:
+            assert accepted_within(step, 3, len(calibrated) + 1) == accepted
+        for depth, nodes in [(1, 2), (2, 3), (3, 4), (2, 6), (3, 8)]:
+            small = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=depth, tree_nodes=nodes))
+            assert small.drafter.max_nodes == 1 + len([p for p in calibrated if len(p) <= depth][:nodes - 1])
+            first = small.generate(prompt, 12).accepted_lengths[0]
+            assert first == accepted_within(big.recorded[0], depth, nodes), (prompt, depth, nodes)
+            checked += first > 0
+    assert checked
