@@ -180,3 +180,24 @@ def test_a_shape_that_fits_passes_the_memory_check(monkeypatch):
 
     monkeypatch.setattr(bench, "available_memory", lambda device: 64 * 2**30)
     bench.check_shape_fits("llama-8b", torch.bfloat16, torch.device("cpu"))  # 8.03e9 x 2 x 1.2 = 17.9 GiB
+
+
+def test_a_busy_machine_is_a_warning_and_a_note(tmp_path, capsys, monkeypatch):
+    """A forward curve whose repeats spread wide (another job on the cores) is never turned into
+    ratios silently: one `warning:` line naming the busy machine, and a note in bench.json."""
+    from drafttrain.bench import measure
+
+    real = measure.forward_times
+
+    def busy(*args, **kwargs):
+        rows, seconds = real(*args, **kwargs)
+        rows[0]["repeats"] = [1.0, 1.0, 9.0, 20.0, 1.0]  # 1 token: a spread far above its median
+        return rows, seconds
+
+    monkeypatch.setattr(measure, "forward_times", busy)
+    assert run(tmp_path, "--shape", "tiny", "--num-prompts", "1", "--prompt-length", "9") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "busy machine" in warnings[0]
+    notes = json.loads((tmp_path / "bench" / "bench.json").read_text())["notes"]
+    assert any(n.startswith("busy machine") for n in notes)
+    assert all("repeats" not in r for r in json.loads((tmp_path / "bench" / "bench.json").read_text())["forward"]["rows"])

@@ -91,7 +91,9 @@ def oracle_decoding(lm: CachedLM, references: dict, alpha: float, k: int, vocab:
 
 def forward_times(lm: CachedLM, prompt: list[int], sizes: list[int], tree_paths, repeats: int) -> tuple[list, float]:
     """Median seconds of one forward of n tokens after `prompt` (cache rolled back after each), for
-    each n in `sizes` (a chain), and of one tree pass over `tree_paths`. Returns (rows, compile s)."""
+    each n in `sizes` (a chain), and of one tree pass over `tree_paths`, the shapes interleaved in
+    each round so that a machine slowing down mid-measurement hits them alike. Returns (rows,
+    compile s); each row keeps its repeats, for `planning.noisy`."""
     tree = static_tree(tree_paths).to(lm.device)
     shapes = [(n, chain(n, lm.device) if n > 1 else None, "chain") for n in sizes]
     shapes.append((tree.num_nodes, tree, "tree"))
@@ -99,19 +101,19 @@ def forward_times(lm: CachedLM, prompt: list[int], sizes: list[int], tree_paths,
     lm.reset()
     lm.forward(device_tensor(prompt, lm.device))
     past = lm.length
-    rows = []
-    for n, structure, kind in shapes:
-        tokens = device_tensor([(prompt[i % len(prompt)]) for i in range(n)], lm.device)
-        times = []
-        for i in range(repeats + 2):
+    times: list[list[float]] = [[] for _ in shapes]
+    for i in range(repeats + 2):
+        for (n, structure, kind), spent in zip(shapes, times):
+            tokens = device_tensor([(prompt[j % len(prompt)]) for j in range(n)], lm.device)
             synchronize(lm.device)
             start = time.perf_counter()
             lm.forward(tokens, tree=structure if kind == "tree" else None)
             synchronize(lm.device)
             if i >= 2:
-                times.append(time.perf_counter() - start)
+                spent.append(time.perf_counter() - start)
             lm.rollback(past)
-        rows.append({"tokens": n, "kind": kind, "seconds": summary(times)})
+    rows = [{"tokens": n, "kind": kind, "seconds": summary(spent), "repeats": spent}
+            for (n, _, kind), spent in zip(shapes, times)]
     one = next(r for r in rows if r["tokens"] == 1)["seconds"]["median"]
     for r in rows:
         r["ratio_to_one_token"] = r["seconds"]["median"] / one

@@ -4,6 +4,7 @@ bench.json, bench.md and the plot, written atomically."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict
 
 from ..decoding import StaticLM, cached_lm, resolve_engine, static_support
@@ -11,6 +12,7 @@ from ..errors import UserError
 from ..evaluation.summary import environment
 from ..evaluation.outputs import staged_output
 from ..fileio import atomic_write_json, atomic_write_text, check_output_dir
+from ..planning import noisy
 from ..trees import DEFAULT_TREE
 from . import measure, target
 from .config import BenchConfig
@@ -93,6 +95,14 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     log(f"bench: one forward by number of tokens, {engine} engine")
     rows, forward_compile = measure.forward_times(lm, prompts[0], list(range(1, k + 2)), DEFAULT_TREE, cfg.repeats)
     cost = next(r for r in rows if r["tokens"] == k + 1 and r["kind"] == "chain")["ratio_to_one_token"]
+    chain_repeats = [r.pop("repeats") for r in rows if r["kind"] == "chain"]
+    for r in rows:
+        r.pop("repeats", None)
+    noise = noisy(chain_repeats)
+    if noise:
+        print(f"warning: bench: the forward-by-tokens curve looks like a busy machine ({'; '.join(noise)}); its "
+              "ratios (and any plan made from them) may be noise: run alone", file=sys.stderr)
+        notes.append(f"busy machine: {'; '.join(noise)}")
     base_rate = plain[f"drafttrain {engine}"]["tokens_per_s"]["median"]
     references = {tuple(p): t for p, t in zip(prompts, outputs[engine])}
     oracle_rows = []

@@ -50,8 +50,10 @@ class Acceptance:
 
 
 def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
-    """The held-out acceptance a draft's export recorded (`drafttrain.json`), if there is one."""
-    path = Path(cfg.draft) / RECORD if cfg.draft else None
+    """The held-out chain acceptance an export recorded (`drafttrain.json`: draft LMs, EAGLE-3
+    drafts, Medusa heads), if there is one."""
+    export = cfg.draft or cfg.eagle3 or cfg.heads
+    path = Path(export) / RECORD if export else None
     if path is None or not path.is_file():
         return None
     try:
@@ -243,9 +245,10 @@ def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPromp
 
 
 def warn_noise(cfg: EvalConfig, warnings) -> None:
-    for line in warnings:
-        print(f"warning: {cfg.drafter_name}: the cost measurement looks like a busy machine ({line}); the plan "
-              "may be made from noise: run alone", file=sys.stderr)
+    """One `warning:` line for a cost measurement that looks like a busy machine."""
+    if warnings:
+        print(f"warning: {cfg.drafter_name}: the cost measurement looks like a busy machine ({'; '.join(warnings)}); "
+              "the plan may be made from noise: run alone", file=sys.stderr)
 
 
 def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], probe: EncodedPrompt,

@@ -22,6 +22,7 @@ from drafttrain.eagle3.model import Eagle3Draft  # noqa: E402
 from drafttrain.eagle3.vocab import build_draft_vocab  # noqa: E402
 from drafttrain.medusa.export import save_medusa  # noqa: E402
 from drafttrain.medusa.model import MedusaHeads  # noqa: E402
+from drafttrain.parallel import mark_parallel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 VOCAB, K, MAX_NEW = 96, 3, 24
@@ -35,6 +36,12 @@ def exports(tmp_path_factory):
     target = tiny_lm(0, vocab_size=VOCAB, layers=4, hidden=128, dtype=torch.float32)
     save_pair(root / "target", target, tok)
     save_pair(root / "draft", noisy_copy(target, scale=0.05), tok)
+    # A parallel draft (PARD): vLLM drafts K tokens from one forward over the pending token and K-1
+    # copies of its pard_token. Untrained masks: acceptance past the first draft is rare, the check is
+    # that vLLM loads it with parallel drafting and stays lossless.
+    parallel = noisy_copy(target, scale=0.05)
+    mark_parallel(parallel, VOCAB - 1, K)
+    save_pair(root / "parallel", parallel, tok)
     counts = [[t] * (1 + t % 4) for t in range(VOCAB)]
     eagle3 = Eagle3Draft.from_target(target, build_draft_vocab(counts, VOCAB, 64, always_include=(2,)),
                                      aux_layer_ids=[1, 2, 3], dtype=torch.float32, seed=0)
@@ -46,21 +53,23 @@ def exports(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("kind, spec", [("draft", "draft:{root}/draft"), ("eagle3", "eagle3:{root}/eagle3"),
-                                        ("medusa", "heads:{root}/heads")])
+@pytest.mark.parametrize("kind, spec", [("draft", "draft:{root}/draft"), ("parallel", "draft:{root}/parallel"),
+                                        ("eagle3", "eagle3:{root}/eagle3"), ("medusa", "heads:{root}/heads")])
 def test_vllm_serves_the_export_as_drafttrain_decodes_it(exports, tmp_path, kind, spec):
     out = tmp_path / "cmp"
     drafter = spec.format(root=exports)
     assert main(["compare", "--target", str(exports / "target"), "--drafter", f"ours={drafter}",
                  "--drafter", f"served={drafter}@vllm", "--prompts", str(exports / "p.jsonl"),
                  "--max-new-tokens", str(MAX_NEW), "--num-draft-tokens", str(K),
-                 *(["--tree", "chain"] if kind != "draft" else []),  # vLLM verifies chains
+                 *(["--tree", "chain"] if kind in ("eagle3", "medusa") else []),  # vLLM verifies chains
                  "--dtype", "float32", "--out", str(out), "--quiet"]) == 0
     comparison = json.loads((out / "comparison.json").read_text())
     (check,) = comparison["served_checks"]
     served = json.loads((out / "served" / "report.json").read_text())
-    assert served["backend"]["name"] == "vllm" and served["backend"]["speculative_config"]["method"] == {
-        "draft": "draft_model", "eagle3": "eagle3", "medusa": "medusa"}[kind]
+    config = served["backend"]["speculative_config"]
+    assert served["backend"]["name"] == "vllm" and config["method"] == {
+        "draft": "draft_model", "parallel": "draft_model", "eagle3": "eagle3", "medusa": "medusa"}[kind]
+    assert config.get("parallel_drafting", False) == (kind == "parallel")
     assert served["overall"]["outputs_match_baseline"] == 1.0  # vLLM speculative = vLLM plain
     rows = {name: [json.loads(line)["speculative_token_ids"]
                    for line in (out / name / "outputs.jsonl").read_text().splitlines()] for name in ("ours", "served")}
