@@ -218,18 +218,19 @@ def tree_node_limit(topk: int, depth: int) -> int:
 
 
 def plan_tree(steps: dict[int, list[TreeStep]], costs: TreeCosts, depths: list[int], nodes: list[int],
-              extra_tokens: dict[int, float] | None = None) -> Plan:
+              extra_tokens: dict[int, float] | None = None, node_limit=tree_node_limit) -> Plan:
     """The (top-k, depth, nodes) with the most expected tokens per second, or the target alone.
     `steps[topk]`: the recorded steps of the largest tree of that top-k; `depths`, `nodes`: the
-    settings to weigh (node budgets beyond what a top-k and depth can fill are skipped);
-    `extra_tokens[topk]`: a hybrid's n-gram nodes per step beside the tree."""
+    settings to weigh (node budgets beyond what `node_limit(topk, depth)` can fill are cut to it:
+    EAGLE-2's expansion, or a static tree's nodes that deep); `extra_tokens[topk]`: a hybrid's
+    n-gram nodes per step beside the tree."""
     candidates = [Candidate(0, 1.0, 1.0)]
     for topk, recorded in sorted(steps.items()):
         extra = (extra_tokens or {}).get(topk, 0.0)
         for depth in depths:
             if (topk, depth) not in costs.steps:
                 continue
-            for n in sorted({min(n, tree_node_limit(topk, depth)) for n in nodes}):
+            for n in sorted({min(n, node_limit(topk, depth)) for n in nodes}):
                 e = tree_expected_tokens(recorded, depth, n)
                 seconds = costs.step_seconds(topk, depth, n, extra)
                 candidates.append(Candidate(depth, e, e * costs.plain / seconds, n, topk))

@@ -198,9 +198,9 @@ def recorded_trees(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedP
 
 
 def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt, depth: int, nodes: int,
-                      topk: int) -> float:
-    """Median seconds of a whole decoding step (draft, verification, bookkeeping) with this tree on
-    the probe prompt; K = 0 is a plain step."""
+                      topk: int) -> tuple[int, float]:
+    """(the model's tree nodes, median seconds) of a whole decoding step (draft, verification,
+    bookkeeping) with this tree on the probe prompt; K = 0 is a plain step."""
     kind = cfg.drafter_kind if depth else "none"
     settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
     decoder = build_decoder(models.target_lm or models.target, models.drafter(kind),
@@ -209,7 +209,9 @@ def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, probe: EncodedPromp
     seconds = []
     for _ in range(2):
         seconds += decoder.generate(probe.ids, STEP_PROBE_TOKENS).step_seconds
-    return median(seconds)
+    drafter = getattr(decoder, "drafter", None)
+    model = getattr(drafter, "model", drafter)  # a hybrid's n-gram nodes are counted apart
+    return (model.max_nodes if model is not None else 1), median(seconds)
 
 
 def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
@@ -224,14 +226,14 @@ def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPromp
     for topk in topks:
         steps[topk], extra[topk] = recorded_trees(cfg, models, calibration, max(depths), max(nodes), topk)
         for depth in depths:
-            largest = min(max(nodes), tree_node_limit(topk, depth)) if dynamic else max(nodes)
-            measured[(topk, depth)] = (largest, tree_step_seconds(cfg, models, probe, depth, largest, topk))
+            measured[(topk, depth)] = tree_step_seconds(cfg, models, probe, depth, max(nodes), topk)
     target_lm = models.target_lm or as_cached_lm(models.target)
     sizes = sorted({1, *range(2, 9), *(n for n in NODE_BUDGETS if n <= max(nodes) + max(depths))})
     verify = forward_curve(target_lm, probe.ids, sizes, tree=True)
     costs = TreeCosts(tuple(sizes), tuple(median(v) for v in verify), measured,
-                      tree_step_seconds(cfg, models, probe, 0, 1, 1), tuple(noisy(verify)))
-    plan = plan_tree(steps, costs, depths, nodes, extra)
+                      tree_step_seconds(cfg, models, probe, 0, 1, 1)[1], tuple(noisy(verify)))
+    limit = tree_node_limit if dynamic else (lambda topk, depth: measured[(topk, depth)][0])
+    plan = plan_tree(steps, costs, depths, nodes, extra, node_limit=limit)
     warn_noise(cfg, costs.warnings)
     ranked = sorted(plan.candidates, key=lambda c: -c.planned_speedup)
     block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": plan.tree_nodes,

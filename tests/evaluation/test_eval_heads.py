@@ -132,3 +132,34 @@ def test_eval_damaged_heads_file_is_one_error_line(damage, words, tmp_path, caps
                           str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out"), "--quiet"])
     one_error_line(*result, *words)
     assert snapshot(tmp_path) == before
+
+
+def test_a_planned_heads_tree_is_cut_from_the_calibrated_one_and_lossless(tmp_path):
+    """--tree-nodes auto with Medusa heads: one calibration decode with the whole calibrated tree,
+    whole steps timed per depth, and the chosen depth and node count decode, losslessly; the node
+    budgets weighed never exceed what the tree holds that deep."""
+    tok = tiny_tokenizer(64)
+    target = tiny_lm(0, dtype=torch.float64)
+    save_pair(tmp_path / "target", target, tok)
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
+    calibrated = [[0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0]]  # best first, as a calibration lists them
+    save_medusa(heads, tmp_path / "heads", extra={"drafttrain": {"kind": "medusa-1", "target": "t", "tree": calibrated}})
+    for name, start in (("p.jsonl", 5), ("c.jsonl", 30)):
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": " ".join(f"w{j}" for j in range(i, i + 6))}) + "\n"
+                                             for i in range(start, start + 3)))
+    out = tmp_path / "out"
+    assert main(["eval", "--target", str(tmp_path / "target"), "--heads", str(tmp_path / "heads"),
+                 "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--max-new-tokens", "12",
+                 "--dtype", "float64", "--num-draft-tokens", "auto", "--tree-nodes", "auto",
+                 "--calibration-prompts", str(tmp_path / "c.jsonl"), "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    plan = report["plan"]
+    assert report["overall"]["outputs_match_baseline"] == 1.0
+    holds = {d: 1 + sum(len(p) <= d for p in calibrated) for d in (1, 2, 3)}
+    weighed = [c for c in plan["candidates"] if c["num_draft_tokens"]]
+    assert {c["num_draft_tokens"] for c in weighed} == {1, 2, 3}
+    assert all(c["tree_nodes"] <= holds[c["num_draft_tokens"]] for c in weighed)
+    assert {(s["num_draft_tokens"], s["tree_nodes"]) for s in plan["costs"]["step_seconds"]} == set(holds.items())
+    assert plan["tree_topk"] is None and report["config"]["num_draft_tokens"] == plan["num_draft_tokens"]
+    if plan["num_draft_tokens"]:
+        assert report["overall"]["tree_nodes"] == plan["tree_nodes"]
