@@ -149,34 +149,36 @@ def _generate_all(model, tokenizer, prompts, cfg: DataConfig, eos_ids: list[int]
     rng_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(cfg.seed)
-        for start in tqdm(range(0, n, bs), desc="target responses", unit="batch"):
-            idx = order[start:start + bs]
-            input_ids, attention_mask = left_pad([prompts[i] for i in idx], pad_id, device)
-            if with_prompt_topk:
-                for row, (ids, lps) in enumerate(prompt_topk(model, input_ids, attention_mask, k)):
-                    prompt_ids_k[idx[row]], prompt_logprobs_k[idx[row]] = ids, lps
-            if static is not None:
-                new_tokens, values, indices = static.generate(
-                    input_ids, attention_mask, max_new_tokens=cfg.max_response_tokens, eos_token_ids=eos_ids,
-                    temperature=cfg.response_temperature, top_p=cfg.response_top_p, topk=k)
-            else:
-                out = model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.max_response_tokens,
-                    eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
-                    output_logits=k > 0, **sample_kwargs,
-                )
-                new_tokens = out.sequences[:, input_ids.shape[1]:].tolist()
-            if k and static is None:
-                logits = torch.stack(out.logits, dim=1)  # [B, steps, V], unprocessed
-                logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
-                values, indices = logprobs.topk(k, dim=-1)
-                values, indices = values.float().cpu(), indices.cpu()
-            for row, i in enumerate(idx):
-                responses[i] = cut_at_eos(new_tokens[row], eos_ids)
-                if k:
-                    m = len(responses[i])
-                    topk_ids[i] = indices[row, :m].tolist()
-                    topk_logprobs[i] = values[row, :m].tolist()
+        with tqdm(total=n, desc="target responses", unit="prompt") as bar:  # closed however the loop ends
+            for start in range(0, n, bs):
+                idx = order[start:start + bs]
+                input_ids, attention_mask = left_pad([prompts[i] for i in idx], pad_id, device)
+                if with_prompt_topk:
+                    for row, (ids, lps) in enumerate(prompt_topk(model, input_ids, attention_mask, k)):
+                        prompt_ids_k[idx[row]], prompt_logprobs_k[idx[row]] = ids, lps
+                if static is not None:
+                    new_tokens, values, indices = static.generate(
+                        input_ids, attention_mask, max_new_tokens=cfg.max_response_tokens, eos_token_ids=eos_ids,
+                        temperature=cfg.response_temperature, top_p=cfg.response_top_p, topk=k)
+                else:
+                    out = model.generate(
+                        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.max_response_tokens,
+                        eos_token_id=eos_ids, pad_token_id=pad_id, return_dict_in_generate=True,
+                        output_logits=k > 0, **sample_kwargs,
+                    )
+                    new_tokens = out.sequences[:, input_ids.shape[1]:].tolist()
+                if k and static is None:
+                    logits = torch.stack(out.logits, dim=1)  # [B, steps, V], unprocessed
+                    logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+                    values, indices = logprobs.topk(k, dim=-1)
+                    values, indices = values.float().cpu(), indices.cpu()
+                for row, i in enumerate(idx):
+                    responses[i] = cut_at_eos(new_tokens[row], eos_ids)
+                    if k:
+                        m = len(responses[i])
+                        topk_ids[i] = indices[row, :m].tolist()
+                        topk_logprobs[i] = values[row, :m].tolist()
+                bar.update(len(idx))
     return responses, topk_ids, topk_logprobs, ((prompt_ids_k, prompt_logprobs_k) if with_prompt_topk else None)
 
 

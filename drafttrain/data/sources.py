@@ -173,8 +173,8 @@ def self_instruct_prompts(
     max_batches = max_batches or max(10, 4 * math.ceil(n / batch_size))
     prompts: list[str] = []
     seen: set[str] = set()
-    bar = tqdm(total=n, desc="self-instruct prompts", unit="prompt")
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+    with tqdm(total=n, desc="self-instruct prompts", unit="prompt") as bar, \
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
         torch.manual_seed(seed)
         for _ in range(max_batches):
             out = model.generate(
@@ -190,7 +190,6 @@ def self_instruct_prompts(
                     bar.update(1)
             if len(prompts) >= n:
                 break
-    bar.close()
     if len(prompts) < n:
         warnings.warn(f"self_instruct: only {len(prompts)} of {n} distinct prompts after {max_batches} batches; "
                       "raise temperature or max_prompt_tokens for more")

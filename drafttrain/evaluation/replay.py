@@ -408,12 +408,13 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
         target = eagle3_target if eagle3_target is not None else target
         require_known_tokens(outputs, eagle3_target or draft, "target" if eagle3_target is not None else f"draft {name!r}")
         result = ReplayResult(name, cfg.num_draft_tokens, max_new)
-        for ids, out in tqdm(prompts, desc=name, unit="prompt", disable=not progress):
-            acc, prop = teacher_forced_steps(draft, ids, out, num_draft_tokens=cfg.num_draft_tokens,
-                                             max_new_tokens=max_new, target=eagle3_target)
-            result.tokens.append(len(out))
-            result.accepted.append(acc)
-            result.proposed.append(prop)
+        with tqdm(prompts, desc=name, unit="prompt", disable=not progress) as bar:
+            for ids, out in bar:
+                acc, prop = teacher_forced_steps(draft, ids, out, num_draft_tokens=cfg.num_draft_tokens,
+                                                 max_new_tokens=max_new, target=eagle3_target)
+                result.tokens.append(len(out))
+                result.accepted.append(acc)
+                result.proposed.append(prop)
         results.append(result)
         del draft
     return results

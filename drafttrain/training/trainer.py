@@ -232,10 +232,11 @@ class Trainer:
         loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
                                              num_workers=cfg.num_workers)
         batches = iter(loader)
-        bar = tqdm(total=cfg.max_steps, initial=self.state.step, desc="train", unit="step", disable=not self.main,
-                   dynamic_ncols=True)
         self.model.train()
-        try:
+        # the bar closes however the loop ends: its line ends before an error's, and an interrupted run
+        # leaves no open bar for the interpreter's exit to close (a traceback after Ctrl-C's one line)
+        with tqdm(total=cfg.max_steps, initial=self.state.step, desc="train", unit="step", disable=not self.main,
+                  dynamic_ncols=True) as bar:
             while self.state.step < cfg.max_steps:
                 lr, grad_norm = self._step(batches)
                 bar.update(1)
@@ -248,8 +249,6 @@ class Trainer:
                     bar.set_postfix(tau=f"{self.state.evals[-1]['tau']:.3f}", best=f"{self.state.best_tau:.3f}")
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
                     self.checkpoint()
-        finally:
-            bar.close()  # ends the bar's line, so an error that follows is a line of its own
 
     def _step(self, batches) -> tuple[float, torch.Tensor | None]:
         """One optimizer step over `gradient_accumulation_steps` micro-batches: (lr used, grad norm)."""
