@@ -105,6 +105,12 @@ class ParallelLayout:
         """(depth, position) of each row the model returns with `logits_to_keep`."""
         return [(b, int(p)) for b, ps in enumerate(self._trained_positions()) for p in ps]
 
+    def row_depths(self) -> torch.Tensor:
+        """The depth (0: the real tokens' rows, which draft the first token) of each row the model
+        returns with `logits_to_keep`, [rows]."""
+        return torch.cat([torch.full((len(p),), b, dtype=torch.long, device=p.device)
+                          for b, p in enumerate(self._trained_positions())])
+
     def repeat(self, window: torch.Tensor) -> torch.Tensor:
         """A per-position tensor of the trained window [B, W, ...] (the teacher, labels), gathered
         for every row of the logits."""
@@ -120,6 +126,15 @@ class ParallelLayout:
             behind[:, ok] = real[:, (p - b)[ok]].bool()
             rows.append(loss_mask[:, p] & behind)
         return torch.cat(rows, dim=1)
+
+
+def depth_balanced(loss_over, mask: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """The mean over depths of each depth's loss (`loss_over(mask)`: a mean over the mask's rows),
+    so that every depth weighs the same however many rows the conditional drop left it: the
+    deepest masks, the fewest rows, learn as fast as the first draft. `depths`: each row's depth
+    (`ParallelLayout.row_depths`); a depth with no trained row is left out."""
+    per_depth = [mask & (depths == b) for b in torch.unique(depths).tolist()]
+    return torch.stack([loss_over(m) for m in per_depth if m.any()]).mean()
 
 
 def mask_positions(first: int, length: int, depth: int, keep: float = 1.0, keep_min: float = 0.2,
@@ -175,4 +190,4 @@ def parallel_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, posit
     return ParallelLayout(ids, positions, allowed[:, None], [window, *blocks], start, L)
 
 
-__all__ = ["ParallelLayout", "mark_parallel", "mask_positions", "mask_token_id", "parallel_info", "parallel_layout"]
+__all__ = ["ParallelLayout", "depth_balanced", "mark_parallel", "mask_positions", "mask_token_id", "parallel_info", "parallel_layout"]

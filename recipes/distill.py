@@ -45,7 +45,7 @@ from drafttrain.export import export_draft, held_out_record
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
 from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
-from drafttrain.parallel import mark_parallel, mask_token_id, parallel_info, parallel_layout
+from drafttrain.parallel import depth_balanced, mark_parallel, mask_token_id, parallel_info, parallel_layout
 from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded
@@ -79,6 +79,11 @@ class DraftConfig:
         0.7, doc="Parallel drafts: PARD's conditional drop. Depth b's masks keep a random max(keep^b, 0.2) of the "
                  "trained positions (each with its whole chain), so deep masks cost a fraction of a forward; 1 keeps "
                  "all.", above=0, at_most=1)
+    parallel_loss: str = setting(
+        "rows", doc="Parallel drafts: how the depths share the loss. rows: every trained row weighs the same (the "
+                    "conditional drop leaves the real tokens' rows the most numerous); depths: each depth's mean "
+                    "weighs the same, so the deep masks, the fewest rows, get as much of the gradient as the first "
+                    "draft.", choices=("rows", "depths"))
     mask_token: int | str = setting(
         "auto", doc="Parallel drafts: the mask token, an id or a token the training text never contains; auto: the "
                     "tokenizer's last added token that is not a special token (SmolLM2: <empty_output>).")
@@ -231,8 +236,9 @@ class DistillRecipe(Recipe):
         teacher = self.teacher(batch, inputs, start, keep, onpolicy=on)
         labels = batch["labels"][:, start:] if cfg.loss.kind == "ce" else None
         mask = batch["loss_mask"][:, start:]
+        depths = None
         if cfg.draft.parallel_tokens:
-            student, teacher, labels, mask = self.parallel_student(model, batch, start, teacher, labels)
+            student, teacher, labels, mask, depths = self.parallel_student(model, batch, start, teacher, labels)
         else:
             student = model(**inputs, logits_to_keep=keep).logits
 
@@ -240,7 +246,10 @@ class DistillRecipe(Recipe):
             return distill_loss(student, teacher, mask, kind=cfg.loss.kind, beta=cfg.loss.beta,
                                 temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size, labels=labels)
 
-        loss = divergence(mask)
+        if depths is not None and cfg.draft.parallel_loss == "depths":
+            loss = depth_balanced(divergence, mask, depths)
+        else:
+            loss = divergence(mask)
         logs = {"onpolicy": float(on), "tokens": mask.sum()}
         if prompt_weight > 0:
             prompt_mask = batch["prompt_mask"][:, start:]
@@ -251,8 +260,8 @@ class DistillRecipe(Recipe):
 
     def parallel_student(self, model, batch: dict, start: int, teacher, labels):
         """A parallel draft's logits for every depth at once (`drafttrain.parallel`), and the
-        teacher, labels and loss mask repeated to match: depth b's row p learns the target's
-        distribution at p from x_0 .. x_{p-b} and b masks."""
+        teacher, labels and loss mask repeated to match, and each row's depth: depth b's row p
+        learns the target's distribution at p from x_0 .. x_{p-b} and b masks."""
         depth = self.config.draft.parallel_tokens
         generator = torch.Generator().manual_seed(self.config.train.seed * 1_000_003 + batch["batch_index"])
         layout = parallel_layout(batch["input_ids"], batch["attention_mask"], batch["position_ids"], start=start,
@@ -266,7 +275,7 @@ class DistillRecipe(Recipe):
         elif teacher is not None:
             teacher = layout.repeat(teacher)
         labels = layout.repeat(labels) if labels is not None else None
-        return logits, teacher, labels, layout.trained(batch["loss_mask"], batch["attention_mask"])
+        return logits, teacher, labels, layout.trained(batch["loss_mask"], batch["attention_mask"]), layout.row_depths()
 
     def teacher(self, batch: dict, inputs: dict, start: int, keep: int, onpolicy: bool):
         """The target's side of the loss: nothing for ce, its stored top-k when the batch carries

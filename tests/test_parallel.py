@@ -9,7 +9,8 @@ from tiny import tiny_lm, tiny_tokenizer
 
 from drafttrain.data.collate import collate, pack_example
 from drafttrain.errors import UserError
-from drafttrain.parallel import mask_token_id, parallel_info, mark_parallel, parallel_layout
+from drafttrain.losses import distill_loss
+from drafttrain.parallel import depth_balanced, mask_token_id, parallel_info, mark_parallel, parallel_layout
 
 MASK = 9
 
@@ -77,3 +78,38 @@ def test_mask_token_choice_and_config():
     mark_parallel(model, 17, 4)
     assert parallel_info(model.config) == {"pard_token": 17, "parallel_tokens": 4}
     assert model.config.to_dict()["pard_token"] == 17 and model.config.to_dict()["spd_type"] == "pard"
+
+
+def test_a_depth_balanced_loss_is_the_mean_of_each_depths_mean_row_loss():
+    """`depth_balanced` against the per-row losses, summed by hand: with the conditional drop the
+    depths have different row counts, so it differs from the plain mean over rows."""
+    student, teacher = tiny_lm(seed=1), tiny_lm(seed=2)
+    batch = batch_of([([5, 6, 7, 8, 10, 11], [12, 13, 14, 15, 16, 17, 18]), ([20, 21], [22, 23, 24, 25, 26, 27])])
+    start = int(batch["loss_mask"].int().argmax(dim=1).min())
+    layout = parallel_layout(batch["input_ids"], batch["attention_mask"], batch["position_ids"], start=start,
+                             depth=4, mask_id=MASK, keep=0.5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = student(input_ids=layout.input_ids, position_ids=layout.position_ids,
+                         attention_mask=layout.additive_mask(torch.float64), logits_to_keep=layout.logits_to_keep).logits
+        window = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"]).logits[:, start:]
+    target = layout.repeat(window)
+    mask = layout.trained(batch["loss_mask"], batch["attention_mask"])
+    depths = layout.row_depths()
+    assert depths.tolist() == [b for b, _ in layout.rows()]
+
+    def loss_over(m):
+        return distill_loss(logits, target, m, kind="forward_kl")
+
+    by_depth = {}
+    for row in range(mask.shape[0]):
+        for i in range(mask.shape[1]):
+            if mask[row, i]:
+                p, q = target[row, i].log_softmax(-1), logits[row, i].log_softmax(-1)
+                by_depth.setdefault(int(depths[i]), []).append(float((p.exp() * (p - q)).sum()))
+    counts = [len(v) for v in by_depth.values()]
+    assert len(by_depth) == 4 and len(set(counts)) > 1
+    expected = sum(sum(v) / len(v) for v in by_depth.values()) / len(by_depth)
+    assert float(depth_balanced(loss_over, mask, depths)) == pytest.approx(expected, rel=1e-9)
+    plain = sum(sum(v) for v in by_depth.values()) / sum(counts)
+    assert float(loss_over(mask)) == pytest.approx(plain, rel=1e-9) and abs(plain - expected) > 1e-6

@@ -9,7 +9,7 @@ import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
 from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, expected_tokens, noisy, plan_chain, plan_tree,
-                                 step_seconds, tree_expected_tokens, tree_node_limit)
+                                 step_seconds, tree_expected_tokens, tree_node_limit, walk_chain, walked_rates)
 from drafttrain.trees import tree_from_parents
 
 
@@ -211,3 +211,57 @@ def test_a_tree_step_between_measured_sizes_is_interpolated():
     assert costs.verify_seconds(100) == pytest.approx(2.4)
     assert costs.step_seconds(4, 2, 4) == pytest.approx(3.0 - 0.8)
     assert costs.step_seconds(4, 2, 4, extra=1.0) == pytest.approx(3.0 + (1.6 + 0.2) - 2.4)
+
+
+# ------------------------------------------------------------------ chains walked at every K
+
+
+def test_a_walk_takes_the_steps_the_decoder_takes_at_every_k():
+    """`walk_chain` against the real decoder: n-gram lookup on a tiny float64 target, every K,
+    the same (proposed, accepted) step after step (the last step's proposal may be trimmed at EOS
+    by the decoder's count)."""
+    from tiny import tiny_lm
+
+    from drafttrain.decoding import DecodeSettings, Drafter, build_decoder
+    from drafttrain.decoding.drafters.ngram import ngram_lookup
+
+    target = tiny_lm(seed=3, vocab_size=24, sharpness=12.0)  # a small vocabulary: the text repeats itself
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 9, 10], [11, 12, 13, 11, 12, 14], [3, 4, 3, 4, 3, 4, 15]]
+    accepted_somewhere = 0
+    for k in (1, 2, 3, 5):
+        decoder = build_decoder(target, Drafter("ngram"), DecodeSettings(num_draft_tokens=k, eos_token_ids={2}))
+        for prompt in prompts:
+            gen = decoder.generate(prompt, 40)
+            walked = walk_chain(prompt, gen.tokens, lambda seq, n: ngram_lookup(seq, n, 3), k, 40)
+            assert [a for _, a in walked] == gen.accepted_lengths
+            assert [m for m, _ in walked][:-1] == gen.proposed_lengths[:-1]
+            accepted_somewhere += sum(gen.accepted_lengths)
+    assert accepted_somewhere > 20  # the prompts copy: the walk is checked where it matters
+
+
+def test_bursty_copying_is_planned_with_each_ks_own_acceptance():
+    """Spans copied whole and text that copies nothing: the deepest K's per-position acceptance
+    understates a smaller K's tokens per step, and the walk gets each K right."""
+    span = list(range(100, 130))
+    prompt = span + [1]
+    continuation = [50, 51, 52, 53] + span + [60, 61, 62, 63, 64, 65] + span[:12]
+    lookup = lambda seq, n: next((seq[i + 1:i + 1 + n] for i in range(len(seq) - 2, -1, -1)  # noqa: E731
+                                  if seq[i] == seq[-1]), [])
+    steps = {k: walk_chain(prompt, continuation, lookup, k, 96) for k in (2, 6)}
+    tau = {k: len(continuation) / len(s) for k, s in steps.items()}
+    deepest, _ = walked_rates(steps[6], 6)
+    assert tau[2] == pytest.approx(expected_tokens(walked_rates(steps[2], 2)[0], 2), rel=0.05)
+    assert expected_tokens(deepest, 2) < 0.85 * tau[2]  # what the deepest K's rates would have planned
+
+
+def test_a_plan_with_acceptance_by_k_is_the_best_k_of_a_simulated_decode():
+    costs = Costs((1.0, 1.3, 1.5, 1.6, 1.7), (0, 0, 0, 0, 0), 0.05)
+    by_k = {1: ([0.5], [0.6]), 2: ([0.45, 0.4], [0.55, 0.5]), 3: ([0.3, 0.25, 0.2], [0.5, 0.45, 0.4]),
+            4: ([0.25, 0.2, 0.18, 0.15], [0.5, 0.45, 0.42, 0.4])}
+    plan = plan_chain(by_k[4][0], costs, by_k[4][1], by_k=by_k)
+    plain = 1.0 / (costs.verify[0] + costs.overhead)
+    speeds = [1.0] + [simulate(by_k[k][0], costs, k, by_k[k][1]) / plain for k in range(1, 5)]
+    best = max(range(5), key=lambda k: speeds[k])
+    assert plan.num_draft_tokens == best == 2
+    assert plan.planned_speedup == pytest.approx(speeds[best], rel=0.02)
+    assert plan_chain(by_k[4][0], costs, by_k[4][1]).num_draft_tokens != best  # the deepest K's rates alone miss it

@@ -28,13 +28,20 @@ from ..decoding import DecodeSettings, as_cached_lm, build_decoder
 from ..decoding.factory import tree_choice
 from ..errors import UserError
 from ..export import RECORD
-from ..planning import NODE_BUDGETS, Costs, Plan, TreeCosts, noisy, plan_chain, plan_tree, tree_node_limit
+from ..decoding.drafters.ngram import ngram_lookup
+from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, noisy, plan_chain, plan_tree, tree_node_limit,
+                        walk_chain, walked_rates)
 from ..prompts import EncodedPrompt, encode_prompts, read_prompts
 from .config import PLAN_MAX_K, PLAN_MAX_NODES, EvalConfig
 from .costs import eagle3_step_seconds, forward_curve, medusa_heads_seconds
 from .loading import LoadedModels
 
 CALIBRATION_PROMPTS = 8  # prompts of --calibration-prompts decoded per drafter
+# n-gram lookup reads three times as many: copying varies from prompt to prompt far more than a
+# model's acceptance does (walked tau at K=3 on SmolLM2's HumanEval answers: 1.02 to 3.31 per
+# prompt; 1.47 over prompts 13-20, 1.58 over 13-36, 1.84 over the first 12), and its calibration
+# is one greedy decode at lookup speed, with no draft model to run.
+LOOKUP_CALIBRATION_PROMPTS = 24
 TOPK_CHOICES = (1, 2, 4, 8)  # EAGLE-2 top-k weighed by --tree-nodes auto, up to --tree-topk
 STEP_PROBE_TOKENS = 16  # tokens decoded on the probe prompt to time a tree's steps
 
@@ -47,6 +54,7 @@ class Acceptance:
     proposal_rates: list[float] | None
     source: str
     extra_tokens: float = 0.0  # a hybrid's n-gram nodes per step beside the model's K drafts
+    by_k: dict[int, tuple[list[float], list[float]]] | None = None  # measured at each K (`planning.walk_chain`)
 
 
 def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
@@ -66,11 +74,12 @@ def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
 
 
 def calibration_prompts(cfg: EvalConfig, tokenizer, context_limit: int | None) -> list[EncodedPrompt]:
-    """The first `CALIBRATION_PROMPTS` prompts of --calibration-prompts (none without it), encoded
-    before the engines are sized, so they fit the caches."""
+    """The first `LOOKUP_CALIBRATION_PROMPTS` prompts of --calibration-prompts (none without it),
+    encoded before the engines are sized, so they fit the caches; model drafters decode the first
+    `CALIBRATION_PROMPTS` of them."""
     if not cfg.calibration_prompts:
         return []
-    return encode_prompts(read_prompts([cfg.calibration_prompts], CALIBRATION_PROMPTS), tokenizer,
+    return encode_prompts(read_prompts([cfg.calibration_prompts], LOOKUP_CALIBRATION_PROMPTS), tokenizer,
                           max_new_tokens=cfg.max_new_tokens, context_limit=context_limit)
 
 
@@ -80,22 +89,39 @@ def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, prompts: list[E
     settings = dataclasses.replace(cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes),
                                    eos_token_ids=frozenset(models.eos))
     decoder = build_decoder(models.target_lm or models.target, models.drafter(cfg.drafter_kind), settings)
-    accepted, proposed = [], []
+    accepted, proposed, continuations = [], [], []
     for p in prompts:
         gen = decoder.generate(p.ids, cfg.max_new_tokens)
         accepted += gen.accepted_lengths
         proposed += gen.proposed_lengths
+        continuations.append(gen.tokens)
     steps = max(1, len(accepted))
     hybrid = getattr(getattr(decoder, "drafter", None), "lookup_nodes", None)
     return Acceptance([sum(a >= j for a in accepted) / steps for j in range(1, PLAN_MAX_K + 1)],
                       None if cfg.ngram else [sum(m >= j for m in proposed) / steps for j in range(1, PLAN_MAX_K + 1)],
                       f"{len(prompts)} calibration prompts from {cfg.calibration_prompts}",
-                      hybrid / steps if hybrid is not None else 0.0)
+                      hybrid / steps if hybrid is not None else 0.0,
+                      walked_lookup(cfg, prompts, continuations) if cfg.drafter_kind == "ngram" and cfg.greedy else None)
+
+
+def walked_lookup(cfg: EvalConfig, prompts: list[EncodedPrompt], continuations: list[list[int]]) -> dict:
+    """n-gram lookup's acceptance and proposal rates at every K = 1 .. PLAN_MAX_K, walked exactly
+    over the calibration prompts' greedy continuations (`planning.walk_chain`): copying is bursty,
+    so the deepest K's per-position acceptance misjudges a smaller K's."""
+    def propose(sequence, k):
+        return ngram_lookup(sequence, k, cfg.ngram_max)
+
+    by_k = {}
+    for k in range(1, PLAN_MAX_K + 1):
+        steps = [s for p, c in zip(prompts, continuations) for s in walk_chain(p.ids, c, propose, k, cfg.max_new_tokens)]
+        by_k[k] = walked_rates(steps, k)
+    return by_k
 
 
 def drafter_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: list[EncodedPrompt]) -> Acceptance:
     if cfg.calibration_prompts:
-        return calibrated_acceptance(cfg, models, calibration)
+        walked = cfg.drafter_kind == "ngram" and cfg.greedy
+        return calibrated_acceptance(cfg, models, calibration if walked else calibration[:CALIBRATION_PROMPTS])
     recorded = None if cfg.ngram else recorded_acceptance(cfg)  # a hybrid's own acceptance is not recorded
     if recorded is None:
         raise UserError(f"--num-draft-tokens auto needs {cfg.drafter_name}'s acceptance on other prompts than the "
@@ -155,12 +181,16 @@ def plan_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
     single = median(verify[0])
     costs = Costs(tuple(median(v) for v in verify), tuple(draft), loop_overhead(models, probe, single),
                   tuple(noisy(verify) + draft_noise))
-    plan = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens)
+    plan = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens,
+                      acceptance.by_k)
     warn_noise(cfg, costs.warnings)
     block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": None, "tree_topk": None, "costs": costs.as_dict(),
              "planned_speedup": plan.planned_speedup, "expected_tokens": plan.expected_tokens,
              "source": acceptance.source, "acceptance": acceptance.per_position,
-             "proposal_rates": acceptance.proposal_rates, "extra_tokens": acceptance.extra_tokens, "candidates": plan.as_dict()["candidates"],
+             "proposal_rates": acceptance.proposal_rates, "extra_tokens": acceptance.extra_tokens,
+             "walked": {str(k): {"acceptance": a, "proposal_rates": r} for k, (a, r) in acceptance.by_k.items()}
+             if acceptance.by_k else None,
+             "candidates": plan.as_dict()["candidates"],
              "noise": list(costs.warnings), "seconds": time.perf_counter() - start}
     return plan, block
 
@@ -220,6 +250,7 @@ def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPromp
     if not calibration:
         raise UserError(f"planning {cfg.drafter_name}'s tree needs its acceptance on other prompts than the evaluated "
                         "ones; pass --calibration-prompts FILE")
+    calibration = calibration[:CALIBRATION_PROMPTS]
     depths, nodes, topks, dynamic = tree_settings(cfg, models)
     start = time.perf_counter()
     steps, extra, measured = {}, {}, {}
@@ -356,4 +387,4 @@ def served_settings(k: int, where: str, parallel: dict | None, eagle3: bool, hea
     return out
 
 
-__all__ = ["CALIBRATION_PROMPTS", "Acceptance", "export_plans", "planned_k", "plan_drafter", "plan_tree_drafter", "resolve_plans"]
+__all__ = ["CALIBRATION_PROMPTS", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "export_plans", "planned_k", "plan_drafter", "plan_tree_drafter", "resolve_plans"]

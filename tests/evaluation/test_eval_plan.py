@@ -12,6 +12,7 @@ from tiny import noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 
 from drafttrain.cli import main
 from drafttrain.evaluation.config import PLAN_MAX_K
+from drafttrain.evaluation.plan import CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS
 
 PROMPTS = [{"prompt": "w5 w9 w13 w7"}, {"prompt": "w40 w41 w40 w41"}]
 CALIBRATION = [{"prompt": "w3 w4 w5 w6"}, {"prompt": "w30 w31 w30 w31"}, {"prompt": "w12 w13 w14"}]
@@ -68,8 +69,15 @@ def test_a_calibrated_plan_decodes_with_its_k_and_equals_the_target(setup, tmp_p
     assert plan["planned_speedup"] == pytest.approx(best["planned_speedup"])
     assert plan["measured_speedup"] == report["overall"]["speedup"]
     assert report["overall"]["outputs_match_baseline"] == 1.0
-    if drafter == "ngram":
+    if drafter == "ngram":  # planned with the acceptance walked at each K
         assert plan["costs"]["draft_seconds"] == [0.0] * (PLAN_MAX_K + 1) and plan["proposal_rates"] is not None
+        walked = plan["walked"]
+        assert sorted(walked, key=int) == [str(k) for k in range(1, PLAN_MAX_K + 1)]
+        assert walked[str(PLAN_MAX_K)]["acceptance"] == pytest.approx(plan["acceptance"])  # the decode's own K
+        for c in plan["candidates"][1:]:
+            assert c["expected_tokens"] == pytest.approx(1 + sum(walked[str(c["num_draft_tokens"])]["acceptance"]))
+    else:
+        assert plan["walked"] is None
 
 
 def test_the_exports_record_is_the_acceptance_source(setup, tmp_path):
@@ -120,3 +128,16 @@ def test_compare_takes_plus_ngram_on_a_draft_only(setup, tmp_path, capsys):
     code, out, err = cli(capsys, ["compare", "--target", setup["target"], "--drafter", "x=ngram+ngram",
                                   "--prompts", setup["prompts"], "--out", str(tmp_path / "c")])
     one_error_line(code, out, err, "NAME=draft:DIR+ngram")
+
+
+def test_lookup_reads_more_calibration_prompts_than_a_model(setup, tmp_path):
+    """n-gram's acceptance varies the most from prompt to prompt, and its calibration is a walk:
+    it reads LOOKUP_CALIBRATION_PROMPTS, a model drafter CALIBRATION_PROMPTS."""
+    many = write_jsonl(tmp_path / "many.jsonl", [dict(c, id=f"c{i}") for i, c in
+                                                  enumerate(CALIBRATION * (LOOKUP_CALIBRATION_PROMPTS + 2))])
+    read = {}
+    for name, spec in (("draft", ("--draft", setup["draft"])), ("ngram", ("--method", "ngram"))):
+        assert main(argv(setup, tmp_path / name, "--calibration-prompts", many, drafter=spec)) == 0
+        read[name] = json.loads((tmp_path / name / "report.json").read_text())["plan"]["source"]
+    assert read["draft"].startswith(f"{CALIBRATION_PROMPTS} calibration prompts")
+    assert read["ngram"].startswith(f"{LOOKUP_CALIBRATION_PROMPTS} calibration prompts")

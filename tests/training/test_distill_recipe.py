@@ -420,3 +420,22 @@ def test_a_parallel_draft_with_another_recipe_setting_it_cannot_train_is_refused
     assert load_recipe().main(args) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel" in err[0] and not (tmp_path / "x").exists()
+
+
+def test_a_parallel_draft_trains_with_each_depth_weighing_the_same(assets, tmp_path):
+    """draft.parallel_loss=depths (`parallel.depth_balanced`) runs through the recipe: step 1's
+    logged loss (same batch, same weights) differs from the plain mean over rows, and it trains."""
+    def first_step(name, *overrides):
+        out = tmp_path / name
+        args = recipe_args(assets, out, "train.max_steps=2", "train.eval_every=0", "train.log_every=1",
+                           "train.keep_best=false", "eval.num_prompts=2", "data.store_topk=8",
+                           "draft.parallel_tokens=3", "draft.mask_token=1", "draft.parallel_keep=0.5", *overrides)
+        assert load_recipe().main(args) == 0
+        logs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+        return [entry["loss"] for entry in logs if entry["type"] == "train"], out
+
+    rows, _ = first_step("rows")
+    depths, out = first_step("depths", "draft.parallel_loss=depths")
+    assert rows[0] != pytest.approx(depths[0], rel=1e-4)
+    before, after = load_weights(out / "initial"), load_weights(out / "final")
+    assert any(not torch.equal(before[k], after[k]) for k in before if "layers" in k)
