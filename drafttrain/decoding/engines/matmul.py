@@ -21,10 +21,19 @@ path times both products on each weight shape for every row count (interleaved r
 once per process and shape: `faster_rows`) and keeps `W · xᵀ` only for the row counts where it
 wins clearly.
 
+One row was long left to BLAS's GEMV, until a later AMD EPYC machine (MKL, 2 cores) ran a
+1-token SmolLM2 forward in 57 ms and a 2-token one in 48: in a forward every weight arrives cold
+from memory, and there the GEMV streamed it slowly, while the same row padded to two and taken as
+`W · xᵀ` made the forward 32 ms (measured in-process, interleaved medians). Timed on one weight
+over and over (the weight hot in cache) the GEMV still looked faster for every layer but the LM
+head, so one row is measured with the weights cold: each call reads another copy (`COLD_BYTES` of
+copies in all), as a forward meets them. Without this, plain decoding (every report's baseline)
+ran its 1-token forwards on the slow path while verification's 2+ tokens took the fast one, and
+speedups on that machine were overstated.
+
 The result is the same product up to float rounding; baseline and speculative decoding run the
-same model, so they share it (each report's `match baseline` checks equality). Only 2 to
-`MAX_ROWS` rows take this path: one row is already the GEMV, and prefill keeps the BLAS GEMM,
-which is right for many rows. Installed by the engines on float32 CPU models only: GPUs are
+same model, so they share it (each report's `match baseline` checks equality). Only 1 to
+`MAX_ROWS` rows take this path: prefill keeps the BLAS GEMM, which is right for many rows. Installed by the engines on float32 CPU models only: GPUs are
 untouched, and float64, the dtype of the exactness tests, keeps transformers' own product bit for
 bit (the rounding of `mm(W, xᵀ)` depends on the number of rows, and an architecture that rounds
 through float32 inside, as Qwen3's q/k norms do, turns a 1e-17 difference into 1e-7).
@@ -39,7 +48,8 @@ from statistics import median
 import torch
 
 MAX_ROWS = 16
-PADDED_ROWS = {3: 4}  # rows -> the width that computes them faster (zero rows added, dropped after)
+PADDED_ROWS = {1: 2, 3: 4}  # rows -> the width that computes them faster (zero rows added, dropped after)
+COLD_BYTES = 64 << 20  # one row is timed on this many bytes of weight copies, read in turn: past any cache
 CLEAR_WIN = 0.85  # W · xᵀ is kept where it takes less than this share of F.linear's time
 REPEATS = 5
 _FASTER: dict[tuple[int, int], frozenset[int]] = {}  # weight shape -> row counts where W · xᵀ wins
@@ -55,9 +65,17 @@ def _mm_product(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def product_seconds(weight: torch.Tensor, rows: int) -> tuple[float, float]:
-    """Median seconds of (W · xᵀ, F.linear) for `rows` random rows against `weight`, interleaved."""
+    """Median seconds of (W · xᵀ, F.linear) for `rows` random rows against `weight`, interleaved;
+    one row against cold copies of the weight (`COLD_BYTES`), as a decoding forward meets it."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    products = (lambda: _mm_product(weight, x), lambda: torch.nn.functional.linear(x, weight))
+    count = -(-COLD_BYTES // max(1, weight.numel() * weight.element_size())) if rows == 1 else 1
+    copies = [weight] + [weight.clone() for _ in range(count - 1)]
+    turn = iter(range(1 << 30))
+
+    def next_copy() -> torch.Tensor:
+        return copies[next(turn) % len(copies)]
+
+    products = (lambda: _mm_product(next_copy(), x), lambda: torch.nn.functional.linear(x, next_copy()))
     times: tuple[list[float], list[float]] = ([], [])
     for product in products:
         product()  # warm
@@ -70,12 +88,12 @@ def product_seconds(weight: torch.Tensor, rows: int) -> tuple[float, float]:
 
 
 def faster_rows(weight: torch.Tensor, measure=product_seconds) -> frozenset[int]:
-    """The row counts (2 .. MAX_ROWS) for which `W · xᵀ` beats `F.linear` clearly on this machine,
+    """The row counts (1 .. MAX_ROWS) for which `W · xᵀ` beats `F.linear` clearly on this machine,
     measured once per weight shape and process."""
     shape = tuple(weight.shape)
     if shape not in _FASTER:
         wins = []
-        for rows in range(2, MAX_ROWS + 1):
+        for rows in range(1, MAX_ROWS + 1):
             mm, linear = measure(weight, rows)
             if mm < CLEAR_WIN * linear:
                 wins.append(rows)
@@ -85,7 +103,7 @@ def faster_rows(weight: torch.Tensor, measure=product_seconds) -> frozenset[int]
 
 def _skinny_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows not in self.skinny_rows:  # one row is BLAS's GEMV already; elsewhere F.linear is as fast
+    if rows not in self.skinny_rows:  # where F.linear was measured as fast
         return torch.nn.functional.linear(x, self.weight, self.bias)
     y = _mm_product(self.weight, x.reshape(rows, x.shape[-1]))
     if self.bias is not None:
