@@ -25,10 +25,10 @@ from pathlib import Path
 from statistics import median
 
 from ..decoding import DecodeSettings, as_cached_lm, build_decoder
+from ..decoding.drafters.ngram import ngram_lookup
 from ..decoding.factory import tree_choice
 from ..errors import UserError
 from ..export import RECORD
-from ..decoding.drafters.ngram import ngram_lookup
 from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, noisy, plan_chain, plan_tree, tree_node_limit,
                         walk_chain, walked_rates)
 from ..prompts import EncodedPrompt, encode_prompts, read_prompts
@@ -101,7 +101,12 @@ def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, prompts: list[E
                       None if cfg.ngram else [sum(m >= j for m in proposed) / steps for j in range(1, PLAN_MAX_K + 1)],
                       f"{len(prompts)} calibration prompts from {cfg.calibration_prompts}",
                       hybrid / steps if hybrid is not None else 0.0,
-                      walked_lookup(cfg, prompts, continuations) if cfg.drafter_kind == "ngram" and cfg.greedy else None)
+                      walked_lookup(cfg, prompts, continuations) if walks(cfg) else None)
+
+
+def walks(cfg: EvalConfig) -> bool:
+    """Greedy n-gram lookup: its acceptance at every K is walked over the calibration outputs."""
+    return cfg.drafter_kind == "ngram" and cfg.greedy
 
 
 def walked_lookup(cfg: EvalConfig, prompts: list[EncodedPrompt], continuations: list[list[int]]) -> dict:
@@ -120,8 +125,7 @@ def walked_lookup(cfg: EvalConfig, prompts: list[EncodedPrompt], continuations: 
 
 def drafter_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: list[EncodedPrompt]) -> Acceptance:
     if cfg.calibration_prompts:
-        walked = cfg.drafter_kind == "ngram" and cfg.greedy
-        return calibrated_acceptance(cfg, models, calibration if walked else calibration[:CALIBRATION_PROMPTS])
+        return calibrated_acceptance(cfg, models, calibration if walks(cfg) else calibration[:CALIBRATION_PROMPTS])
     recorded = None if cfg.ngram else recorded_acceptance(cfg)  # a hybrid's own acceptance is not recorded
     if recorded is None:
         raise UserError(f"--num-draft-tokens auto needs {cfg.drafter_name}'s acceptance on other prompts than the "

@@ -33,14 +33,15 @@ speedups on that machine were overstated.
 
 The result is the same product up to float rounding; baseline and speculative decoding run the
 same model, so they share it (each report's `match baseline` checks equality). Only 1 to
-`MAX_ROWS` rows take this path: prefill keeps the BLAS GEMM, which is right for many rows. Installed by the engines on float32 CPU models only: GPUs are
-untouched, and float64, the dtype of the exactness tests, keeps transformers' own product bit for
+`MAX_ROWS` rows take this path: prefill keeps the BLAS GEMM, which is right for many rows.
+Installed by the engines on float32 CPU models only: GPUs are untouched, and float64, the dtype of the exactness tests, keeps transformers' own product bit for
 bit (the rounding of `mm(W, xᵀ)` depends on the number of rows, and an architecture that rounds
 through float32 inside, as Qwen3's q/k norms do, turns a 1e-17 difference into 1e-7).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import types
 from statistics import median
@@ -69,13 +70,8 @@ def product_seconds(weight: torch.Tensor, rows: int) -> tuple[float, float]:
     one row against cold copies of the weight (`COLD_BYTES`), as a decoding forward meets it."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     count = -(-COLD_BYTES // max(1, weight.numel() * weight.element_size())) if rows == 1 else 1
-    copies = [weight] + [weight.clone() for _ in range(count - 1)]
-    turn = iter(range(1 << 30))
-
-    def next_copy() -> torch.Tensor:
-        return copies[next(turn) % len(copies)]
-
-    products = (lambda: _mm_product(next_copy(), x), lambda: torch.nn.functional.linear(x, next_copy()))
+    copies = itertools.cycle([weight] + [weight.clone() for _ in range(count - 1)])
+    products = (lambda: _mm_product(next(copies), x), lambda: torch.nn.functional.linear(x, next(copies)))
     times: tuple[list[float], list[float]] = ([], [])
     for product in products:
         product()  # warm
