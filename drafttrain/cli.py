@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):  # accelerate's arguments, as they are
             from .training.launch import launch
 
-            return launch(argv[1:])
+            return launch(argv[1:], exiting=True)
         args = build_parser().parse_args(argv)
         quiet_deepspeed_probe()
         return int(args.func(args) or 0)

@@ -44,6 +44,16 @@ def mask_token_id(tokenizer, choice: int | str = "auto") -> int:
     return added[-1]
 
 
+# The most tokens a parallel draft drafts per forward. Training holds K-1 blocks of masks beside the
+# sequence, so a step costs about K forwards of it; and the K-th draft is accepted only when every one
+# before it was (0.8^16 = 3%), so past 16 a deeper draft costs more than it can ever return (eval's
+# --num-draft-tokens auto weighs at most 6).
+PARALLEL_MAX_TOKENS = 16
+PARALLEL_LIMIT_REASON = (f"at most {PARALLEL_MAX_TOKENS}: training holds K-1 blocks of mask tokens beside each sequence "
+                         "(a step costs about K forwards), and the K-th draft counts only when all before it are "
+                         "accepted, so deeper drafts cost more than they can return")
+
+
 def mark_parallel(model, mask_id: int, parallel_tokens: int) -> None:
     """Record in `model.config` what makes it a parallel draft, so the exported config.json carries
     it: `pard_token` (the mask id, where PARD's checkpoints and vLLM's parallel drafting read it),
@@ -57,10 +67,40 @@ def mark_parallel(model, mask_id: int, parallel_tokens: int) -> None:
 def parallel_info(config) -> dict | None:
     """{"pard_token", "parallel_tokens"} of a parallel draft's config (None for a sequential draft)."""
     token = getattr(config, "pard_token", None)
-    if not isinstance(token, int) or isinstance(token, bool):
+    if not _is_int(token):
         return None
     trained = (getattr(config, "drafttrain", None) or {}).get("parallel_tokens")
     return {"pard_token": token, "parallel_tokens": trained}
+
+
+def check_parallel_config(model, path: str) -> None:
+    """A draft whose config.json says it is parallel (`pard_token`, `spd_type` "pard", or a recorded
+    `drafttrain.parallel_tokens`) must say it whole, as an EAGLE-3 export is checked on load: a mask
+    token outside the vocabulary was an IndexError mid-decode, and one missing or not an integer
+    decoded the draft as a sequential one (K forwards a step), silently. A recorded K must be a K it
+    can draft: from 2 to `PARALLEL_MAX_TOKENS`, and below its context."""
+    config = model.config
+    token = getattr(config, "pard_token", None)
+    trained = (getattr(config, "drafttrain", None) or {}).get("parallel_tokens")
+    if token is None and getattr(config, "spd_type", None) != "pard" and not trained:
+        return  # a sequential draft
+    vocab = model.get_input_embeddings().num_embeddings
+    where = f"the parallel draft at {path!r} (its config.json)"
+    if not _is_int(token) or not 0 <= token < vocab:
+        raise UserError(f"{where} has pard_token {token!r}, not the id of a token of its vocabulary of {vocab}; set "
+                        "pard_token to the mask token's id, or export the draft again")
+    from .models import context_length
+
+    context = context_length(model) or PARALLEL_MAX_TOKENS + 1
+    limit = min(PARALLEL_MAX_TOKENS, context - 1)
+    if trained is not None and not (_is_int(trained) and 2 <= trained <= limit):
+        raise UserError(f"{where} records drafttrain.parallel_tokens {trained!r}, but a parallel draft drafts 2 to "
+                        f"{limit} tokens a forward ({PARALLEL_LIMIT_REASON}, and below its context of {context}); "
+                        "export the draft again")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -190,4 +230,4 @@ def parallel_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, posit
     return ParallelLayout(ids, positions, allowed[:, None], [window, *blocks], start, L)
 
 
-__all__ = ["ParallelLayout", "depth_balanced", "mark_parallel", "mask_positions", "mask_token_id", "parallel_info", "parallel_layout"]
+__all__ = ["PARALLEL_MAX_TOKENS", "ParallelLayout", "check_parallel_config", "depth_balanced", "mark_parallel", "mask_positions", "mask_token_id", "parallel_info", "parallel_layout"]

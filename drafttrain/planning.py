@@ -31,6 +31,7 @@ held-out acceptance, or a calibration file), or the plan would be fitted to the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -274,6 +275,40 @@ def plan_tree(steps: dict[int, list[TreeStep]], costs: TreeCosts, depths: list[i
     return best_plan(candidates)
 
 
+OVERHEAD_LIMIT = 10.0  # a step's overhead beyond its forwards, in target forwards of one token, at most
+DRAFT_LIMIT = 2.0  # a draft model's forward of n tokens, in the target's forwards of as many tokens, at most
+
+
+def implausible(costs: Costs, draft_forwards: list[tuple[int, int]] | None = None) -> list[str]:
+    """Why measured chain costs cannot be the machine's: a plain step's overhead beyond its forward
+    of many forwards (sampling and bookkeeping cost a fraction of one), or a drafter's forwards
+    dearer than the target's forwards of as many tokens (a drafter is the smaller model), with a
+    margin for noise. Both come from a machine busy during one measurement and not another (the
+    README's demo on a shared machine measured a 2.15 s overhead and a 0.448 s draft forward beside
+    a 39 ms target forward), and both make every drafting option look cheap. `draft_forwards[k - 1]`:
+    (forwards, tokens each) of drafting k (None: a drafter without forwards, as n-gram lookup)."""
+    one = costs.verify[0]
+    if one <= 0 or not all(math.isfinite(c) and c >= 0 for c in (*costs.verify, *costs.draft, costs.overhead)):
+        return ["a cost that is not a positive number of seconds"]
+    out = []
+    if costs.overhead > OVERHEAD_LIMIT * one:
+        out.append(f"a plain step's overhead of {costs.overhead * 1e3:.1f} ms is more than {OVERHEAD_LIMIT:g} target "
+                   f"forwards of {one * 1e3:.1f} ms")
+    for k, (forwards, tokens) in enumerate(draft_forwards or [], start=1):
+        target = forwards * interpolate(costs.verify, tokens)
+        if k < len(costs.draft) and costs.draft[k] > DRAFT_LIMIT * target:
+            out.append(f"drafting {k} cost {costs.draft[k] * 1e3:.1f} ms, more than {DRAFT_LIMIT:g}x the target's "
+                       f"{forwards} forward(s) of {tokens} token(s) ({target * 1e3:.1f} ms)")
+            break
+    return out
+
+
+def fallback_plan() -> Plan:
+    """The plan from costs that cannot be trusted: the target alone, which is never slower than
+    itself, rather than speculation sized on noise."""
+    return Plan(0, 1.0, 1.0, (Candidate(0, 1.0, 1.0),))
+
+
 def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
     """Why a measured cost curve looks like a busy machine rather than the model: a size whose
     repeats, less the fastest and the slowest, spread over more than `spread` of their median,
@@ -292,5 +327,5 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
 
 
 __all__ = ["NODE_BUDGETS", "Candidate", "Costs", "Plan", "TreeCosts", "TreeStep", "accepted_within", "best_plan",
-           "expected_tokens", "interpolate", "noisy", "plan_chain", "plan_tree", "step_seconds", "tree_expected_tokens",
+           "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain", "plan_tree", "step_seconds", "tree_expected_tokens",
            "tree_node_limit", "walk_chain", "walked_rates"]

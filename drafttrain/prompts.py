@@ -21,10 +21,12 @@ class PromptRecord:
     messages: list[dict] | None = None  # `turns` / `messages`: through the chat template
 
 
-def read_prompt_file(path: str | Path) -> list[PromptRecord]:
+def read_prompt_file(path: str | Path, flag: str = "--prompts") -> list[PromptRecord]:
+    """The records of one prompt file; `flag` is the option that named it, so a missing file's
+    error names the flag the user has to fix."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: prompt file not found; pass an existing JSONL file to --prompts")
+        raise UserError(f"{path}: prompt file not found; pass an existing JSONL file to {flag}")
     records = []
     try:
         lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
@@ -95,13 +97,29 @@ def _record_id(obj: dict, where: str, default_id: int) -> str | int | float:
     return pid
 
 
-def read_prompts(paths: list[str | Path], limit: int | None = None) -> list[PromptRecord]:
+def read_prompts(paths: list[str | Path], limit: int | None = None, flag: str = "--prompts") -> list[PromptRecord]:
     """All records of all files in order; `limit` applies per file, so each file is sampled."""
     out: list[PromptRecord] = []
     for path in paths:
-        records = read_prompt_file(path)
+        records = read_prompt_file(path, flag)
         out.extend(records[:limit] if limit else records)
     return out
+
+
+def require_unique_ids(records: list[PromptRecord]) -> None:
+    """Reports key every output by its prompt's id and `replay` matches outputs back by it, so two
+    prompts under one id would make a report whose outputs no later step can tell apart."""
+    seen: dict[str, PromptRecord] = {}
+    for r in records:
+        first = seen.setdefault(str(r.id), r)
+        if first is not r:
+            raise UserError(f"{r.source}: prompt id {r.id!r} is already the id of {first.source} (a line without an "
+                            "id takes its 0-based line number); give every prompt its own \"id\"")
+
+
+def prompt_content(record: PromptRecord) -> str:
+    """What a record sends, for telling two prompts apart by content rather than by file or id."""
+    return record.text if record.text is not None else json.dumps(record.messages, sort_keys=True)
 
 
 def encode_prompt(record: PromptRecord, tokenizer) -> list[int]:

@@ -27,7 +27,6 @@ The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.ru
 
 from __future__ import annotations
 
-import sys
 import typing
 from dataclasses import dataclass
 from typing import Literal
@@ -45,12 +44,13 @@ from drafttrain.export import export_draft, held_out_record
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
 from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
-from drafttrain.parallel import depth_balanced, mark_parallel, mask_token_id, parallel_info, parallel_layout
+from drafttrain.parallel import (PARALLEL_LIMIT_REASON, PARALLEL_MAX_TOKENS, depth_balanced, mark_parallel, mask_token_id,
+                                 parallel_info, parallel_layout)
 from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded
 from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
-from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
+from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
 
 LossKind = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
 assert set(typing.get_args(LossKind)) == set(LOSSES), "LossKind must list drafttrain.losses.LOSSES"
@@ -154,6 +154,9 @@ class DistillConfig(RecipeConfig):
         if self.draft.parallel_tokens == 1:
             raise UserError("draft.parallel_tokens=1 drafts one token per forward, as a sequential draft does; set 0 "
                             "(sequential) or K >= 2 (parallel)")
+        if self.draft.parallel_tokens > PARALLEL_MAX_TOKENS:
+            raise UserError(f"draft.parallel_tokens={self.draft.parallel_tokens} is too many: a parallel draft takes "
+                            f"{PARALLEL_LIMIT_REASON}; set 2 .. {PARALLEL_MAX_TOKENS}")
         if self.draft.parallel_tokens and (self.onpolicy.fraction > 0 or self.data.prompt_loss_weight > 0):
             raise UserError("a parallel draft (draft.parallel_tokens) trains on the target's answers only; set "
                             "onpolicy.fraction=0 and data.prompt_loss_weight=0")
@@ -343,4 +346,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

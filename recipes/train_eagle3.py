@@ -27,7 +27,6 @@ The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.ru
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,7 +52,7 @@ from drafttrain.tokens import output_vocab_size
 from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
 from drafttrain.training.distributed import is_sharded
 from drafttrain.training.frozen import gathered
-from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
+from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # targets whose layer the draft layer copies the shape of
 
@@ -313,4 +312,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

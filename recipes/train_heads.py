@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -51,7 +50,7 @@ from drafttrain.models import DTYPES
 from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
-from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, recipe_main
+from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
 
 # ----------------------------------------------------------------------------- config
 
@@ -389,4 +388,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

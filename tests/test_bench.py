@@ -201,3 +201,22 @@ def test_a_busy_machine_is_a_warning_and_a_note(tmp_path, capsys, monkeypatch):
     notes = json.loads((tmp_path / "bench" / "bench.json").read_text())["notes"]
     assert any(n.startswith("busy machine") for n in notes)
     assert all("repeats" not in r for r in json.loads((tmp_path / "bench" / "bench.json").read_text())["forward"]["rows"])
+
+
+@pytest.mark.parametrize("flags, words", [(["--num-prompts", "2"], ["--num-prompts", "--limit N"]),
+                                          (["--prompt-length", "9"], ["--prompt-length", "--limit N"]),
+                                          (["--limit", "2"], ["--limit", "--num-prompts N"])])
+def test_prompt_flags_that_do_not_apply_are_refused(tmp_path, capsys, flags, words):
+    """Issue 30 (I): `--prompts P --num-prompts 2` benched every prompt of P, silently. --num-prompts
+    and --prompt-length shape random prompts and --limit samples files; `vllm bench` users expect
+    --num-prompts to cap what is benched, so a cap that would not be applied is refused, naming the
+    flag that does apply, before any model loads."""
+    target = save_pair(tmp_path / "target", tiny_lm(0), tiny_tokenizer())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w5 w9"}\n{"prompt": "w7 w8"}\n{"prompt": "w9 w10"}\n')
+    capsys.readouterr()
+    source = ["--target", target, "--prompts", str(prompts)] if flags[0] != "--limit" else ["--shape", "tiny"]
+    assert run(tmp_path, *source, *flags) == 2
+    line = one_error(capsys)
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "bench").exists()

@@ -265,3 +265,18 @@ def test_a_plan_with_acceptance_by_k_is_the_best_k_of_a_simulated_decode():
     assert plan.num_draft_tokens == best == 2
     assert plan.planned_speedup == pytest.approx(speeds[best], rel=0.02)
     assert plan_chain(by_k[4][0], costs, by_k[4][1]).num_draft_tokens != best  # the deepest K's rates alone miss it
+
+
+def test_costs_that_cannot_be_the_machines_are_named():
+    """Issue 30 (J): the demo's plan block, a 2.15 s plain-step overhead and a 0.448 s draft
+    forward beside a 39 ms target forward, is refused by name; the same draft at a third of the
+    target's cost, with a millisecond of overhead, is not."""
+    from drafttrain.planning import fallback_plan, implausible
+
+    verify = (0.039, 0.045, 0.05, 0.055)
+    demo = Costs(verify, (0, 0.448, 0.896, 1.344), 2.15)
+    reasons = implausible(demo, [(k, 1) for k in range(1, 4)])
+    assert len(reasons) == 2 and "overhead of 2150.0 ms" in reasons[0] and "drafting 1 cost 448.0 ms" in reasons[1]
+    assert implausible(Costs(verify, (0, 0.013, 0.026, 0.039), 0.001), [(k, 1) for k in range(1, 4)]) == []
+    assert implausible(Costs(verify, (0, 0.0, 0.0, 0.0), float("nan"))) != []
+    assert fallback_plan().num_draft_tokens == 0 and fallback_plan().planned_speedup == 1.0

@@ -19,6 +19,8 @@ SHAPES = {
                  num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False),
 }
 DEFAULT_ALPHAS = (0.3, 0.5, 0.7, 0.9)
+PROMPTS_PER_FILE = 4  # --limit unset
+RANDOM_PROMPTS = (4, 128)  # --num-prompts and --prompt-length unset
 
 
 
@@ -48,9 +50,12 @@ class BenchConfig:
                                   "is measured on every engine).", choices=ENGINES)
     prompts: list[str] = setting([], "JSONL prompt file (SPEC §1; needs --target); repeat for several. Without it: "
                                      "random prompts.", metavar="FILE")
-    limit: int | None = setting(4, "Prompts taken from each file.", metavar="N", at_least=1)
-    num_prompts: int = setting(4, "Random prompts (without --prompts).", metavar="N", at_least=1)
-    prompt_length: int = setting(128, "Tokens per random prompt.", metavar="N", at_least=1)
+    limit: int | None = setting(None, f"Prompts taken from each --prompts file (unset: {PROMPTS_PER_FILE}).",
+                                metavar="N", at_least=1)
+    num_prompts: int | None = setting(None, f"Random prompts, without --prompts (unset: {RANDOM_PROMPTS[0]}).",
+                                      metavar="N", at_least=1)
+    prompt_length: int | None = setting(None, f"Tokens per random prompt, without --prompts (unset: "
+                                        f"{RANDOM_PROMPTS[1]}).", metavar="N", at_least=1)
     num_draft_tokens: int = setting(NUM_DRAFT_TOKENS, "K of the oracle.", metavar="K", at_least=1)
     oracle_alpha: list[float] = setting(list(DEFAULT_ALPHAS), "Comma-separated per-token acceptance rates of the "
                                         "oracle, each in [0, 1].", metavar="A,B,...", parse=parse_alphas)
@@ -71,6 +76,30 @@ class BenchConfig:
             raise UserError("give exactly one of --target DIR and --shape (llama-8b or tiny)")
         if self.prompts and self.target is None:
             raise UserError("--prompts needs --target (its tokenizer encodes them); a --shape uses random prompts")
+        self.check_prompt_flags()
         if not self.oracle_alpha or not all(0 <= a <= 1 for a in self.oracle_alpha):
             raise UserError(f"--oracle-alpha must list acceptance rates in [0, 1], got {self.oracle_alpha}")
         check_settings(self, flag_name)
+
+    def check_prompt_flags(self) -> None:
+        """--num-prompts and --prompt-length shape random prompts, --limit samples prompt files: a flag
+        of the kind not in use was silently ignored (all of a file benched under --num-prompts 2).
+        `vllm bench` caps a dataset with --num-prompts; here --limit is per file, as lm-eval's is per
+        task, and two caps on one file would be ambiguous, so the flag that does not apply is refused."""
+        random_flags = [f for f, v in (("--num-prompts", self.num_prompts), ("--prompt-length", self.prompt_length))
+                        if v is not None]
+        if self.prompts and random_flags:
+            raise UserError(f"{' and '.join(random_flags)} shape random prompts, but --prompts gives a file; take N "
+                            "prompts from each file with --limit N, or leave --prompts out")
+        if not self.prompts and self.limit is not None:
+            raise UserError("--limit takes prompts from each --prompts file, and none is given; for random prompts "
+                            "use --num-prompts N")
+
+    @property
+    def prompts_per_file(self) -> int:
+        return self.limit or PROMPTS_PER_FILE
+
+    @property
+    def random_prompts(self) -> tuple[int, int]:
+        """(how many, tokens each) of the random prompts."""
+        return self.num_prompts or RANDOM_PROMPTS[0], self.prompt_length or RANDOM_PROMPTS[1]

@@ -29,7 +29,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     if cfg.prompts:
         from ..prompts import read_prompts
 
-        read_prompts(cfg.prompts, cfg.limit)  # a bad prompt file fails before any model loads
+        read_prompts(cfg.prompts, cfg.prompts_per_file)  # a bad prompt file fails before any model loads
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model, tokenizer, name = target.load_target(cfg, device, dtype)

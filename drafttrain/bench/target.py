@@ -83,13 +83,14 @@ def bench_prompts(cfg: BenchConfig, tokenizer, model) -> list[list[int]]:
     if cfg.prompts:
         from ..prompts import encode_prompts, read_prompts
 
-        return [p.ids for p in encode_prompts(read_prompts(cfg.prompts, cfg.limit), tokenizer,
+        return [p.ids for p in encode_prompts(read_prompts(cfg.prompts, cfg.prompts_per_file), tokenizer,
                                               max_new_tokens=cfg.max_new_tokens, context_limit=limit)]
-    if limit is not None and cfg.prompt_length + cfg.max_new_tokens > limit:
-        raise UserError(f"--prompt-length {cfg.prompt_length} plus --max-new-tokens {cfg.max_new_tokens} exceeds the "
+    count, length = cfg.random_prompts
+    if limit is not None and length + cfg.max_new_tokens > limit:
+        raise UserError(f"--prompt-length {length} plus --max-new-tokens {cfg.max_new_tokens} exceeds the "
                         f"target's context of {limit} tokens; lower --prompt-length or --max-new-tokens")
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(cfg.seed)
-    return torch.randint(vocab, (cfg.num_prompts, cfg.prompt_length), generator=g).tolist()
+    return torch.randint(vocab, (count, length), generator=g).tolist()
 
 

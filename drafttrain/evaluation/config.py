@@ -25,6 +25,7 @@ ENGINE_CHOICES = ("auto", "eager", "static")
 BACKEND_CHOICES = ("drafttrain", "vllm")
 PLAN_MAX_K = 6  # the deepest K that --num-draft-tokens auto considers (and calibration drafts)
 PLAN_MAX_NODES = 64  # the largest tree that --tree-nodes auto considers
+PLAN_PROBE_TOKENS = 16  # tokens a plan decodes past a probe prompt to time steps (caches hold them too)
 
 
 @dataclass(kw_only=True)
@@ -116,9 +117,6 @@ class EvalConfig:
         if self.calibration_prompts and not self.planned:
             raise UserError("--calibration-prompts measures acceptance for --num-draft-tokens auto or --tree-nodes "
                             "auto; add one, or leave --calibration-prompts out")
-        if self.calibration_prompts and self.calibration_prompts in self.prompts:
-            raise UserError(f"--calibration-prompts {self.calibration_prompts} is also an evaluated prompt file; a plan "
-                            "fitted to the evaluated prompts is no plan: give other prompts")
         if self.tree not in TREE_CHOICES:
             read_tree_file(self.tree)
         if self.tree == "dynamic" and self.heads:

@@ -21,12 +21,12 @@ from ..eagle3.model import Eagle3Draft
 from ..errors import UserError
 from ..medusa.export import load_medusa, read_heads_info
 from ..models import first_line, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-from ..parallel import parallel_info
+from ..parallel import check_parallel_config, parallel_info
 from ..preflight import compatibility_checks, require_compatible
 from ..prompts import EncodedPrompt
 from ..tokens import eos_token_ids
 from ..trees import widest_choice
-from .config import EvalConfig
+from .config import PLAN_PROBE_TOKENS, EvalConfig
 
 
 @dataclass
@@ -81,6 +81,7 @@ def attach_drafter(models: LoadedModels, cfg: EvalConfig, draft_tok=None) -> Loa
     if cfg.draft:
         draft_tok = draft_tok or load_tokenizer(cfg.draft, "draft")
         models.draft = load_causal_lm(cfg.draft, dtype, models.device, "draft")
+        check_parallel_config(models.draft, cfg.draft)
         require_compatible(compatibility_checks(models.target, models.tokenizer, models.draft, draft_tok))
     if cfg.heads:
         models.heads = load_heads(cfg.heads, models.device, dtype)
@@ -145,10 +146,12 @@ def load_heads(path: str, device: torch.device, dtype: torch.dtype):
 
 def bind_engine(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: list[EncodedPrompt]) -> str:
     """Bind the target (once, shared) and every draft model to a cached LM on `--engine`, sized for
-    the longest prompt; returns the target's engine. `auto` decides per model (a draft the static
+    the longest prompt (and, where a plan is made, the `PLAN_PROBE_TOKENS` its probes decode past a
+    prompt, whatever --max-new-tokens is); returns the target's engine. `auto` decides per model (a draft the static
     engine cannot run stays eager); an explicit `static` on an unsupported model is an error."""
     first = cfgs[0]
-    max_length = (max(len(p.ids) for p in prompts) + first.max_new_tokens
+    planning = PLAN_PROBE_TOKENS if any(cfg.planned for cfg in cfgs) else 0  # a plan's probes decode past a prompt
+    max_length = (max(len(p.ids) for p in prompts) + first.max_new_tokens + planning
                   + max(max_step_tokens(m.drafter(cfg.drafter_kind), cfg.decode_settings(k=cfg.max_draft_tokens,
                                                                                            nodes=cfg.max_tree_nodes))
                         for cfg, m in zip(cfgs, models)))

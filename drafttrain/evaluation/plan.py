@@ -18,21 +18,22 @@ made from noise is said to be one.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 import time
 from pathlib import Path
-from statistics import median
+from statistics import fmean, median
 
 from ..decoding import DecodeSettings, as_cached_lm, build_decoder
 from ..decoding.drafters.ngram import ngram_lookup
 from ..decoding.factory import tree_choice
 from ..errors import UserError
 from ..export import RECORD
-from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, noisy, plan_chain, plan_tree, tree_node_limit,
-                        walk_chain, walked_rates)
-from ..prompts import EncodedPrompt, encode_prompts, read_prompts
-from .config import PLAN_MAX_K, PLAN_MAX_NODES, EvalConfig
+from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, fallback_plan, implausible, noisy, plan_chain, plan_tree,
+                        tree_node_limit, walk_chain, walked_rates)
+from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
+from .config import PLAN_MAX_K, PLAN_MAX_NODES, PLAN_PROBE_TOKENS, EvalConfig
 from .costs import eagle3_step_seconds, forward_curve, medusa_heads_seconds
 from .loading import LoadedModels
 
@@ -43,7 +44,11 @@ CALIBRATION_PROMPTS = 8  # prompts of --calibration-prompts decoded per drafter
 # is one greedy decode at lookup speed, with no draft model to run.
 LOOKUP_CALIBRATION_PROMPTS = 24
 TOPK_CHOICES = (1, 2, 4, 8)  # EAGLE-2 top-k weighed by --tree-nodes auto, up to --tree-topk
-STEP_PROBE_TOKENS = 16  # tokens decoded on the probe prompt to time a tree's steps
+STEP_PROBE_TOKENS = PLAN_PROBE_TOKENS  # tokens decoded on the probe prompt to time a tree's steps
+COST_ROUNDS = 3  # interleaved rounds of every chain cost, at every probe
+ROUND_REPEATS = 3  # timed repeats of each cost per round
+COST_ATTEMPTS = 2  # measurements of impossible costs (`planning.implausible`) before a plan falls back
+PROBE_BUCKETS = 3  # prompt-length buckets whose mid-decode costs a plan averages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +78,32 @@ def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
     return Acceptance(per_position, None, f"held-out acceptance recorded at export ({path})")
 
 
-def calibration_prompts(cfg: EvalConfig, tokenizer, context_limit: int | None) -> list[EncodedPrompt]:
-    """The first `LOOKUP_CALIBRATION_PROMPTS` prompts of --calibration-prompts (none without it),
-    encoded before the engines are sized, so they fit the caches; model drafters decode the first
-    `CALIBRATION_PROMPTS` of them."""
+def read_calibration(cfg: EvalConfig) -> list[PromptRecord]:
+    """The first `LOOKUP_CALIBRATION_PROMPTS` records of --calibration-prompts (none without it): all
+    that any drafter's plan reads."""
     if not cfg.calibration_prompts:
         return []
-    return encode_prompts(read_prompts([cfg.calibration_prompts], LOOKUP_CALIBRATION_PROMPTS), tokenizer,
-                          max_new_tokens=cfg.max_new_tokens, context_limit=context_limit)
+    return read_prompts([cfg.calibration_prompts], LOOKUP_CALIBRATION_PROMPTS, flag="--calibration-prompts")
+
+
+def check_calibration(cfg: EvalConfig, evaluated: list[PromptRecord]) -> None:
+    """Calibration prompts must be other prompts than the evaluated ones (SPEC §7). Compared by what
+    they send, not by path: a copy of the evaluated file under another name, or a file that shares
+    some prompts with it, would fit the plan to the test as surely as the file itself."""
+    tested = {prompt_content(r): r for r in evaluated}
+    read = read_calibration(cfg)
+    shared = [r for r in read if prompt_content(r) in tested]
+    if shared:
+        raise UserError(f"{len(shared)} of the {len(read)} prompts read from --calibration-prompts {cfg.calibration_prompts} are "
+                        f"also in an evaluated prompt file ({shared[0].source} is {tested[prompt_content(shared[0])].source}); "
+                        "a plan fitted to the evaluated prompts is no plan: give other prompts")
+
+
+def calibration_prompts(cfg: EvalConfig, tokenizer, context_limit: int | None) -> list[EncodedPrompt]:
+    """The calibration records (`read_calibration`), encoded before the engines are sized, so they
+    fit the caches; model drafters decode the first `CALIBRATION_PROMPTS` of them."""
+    return encode_prompts(read_calibration(cfg), tokenizer, max_new_tokens=cfg.max_new_tokens,
+                          context_limit=context_limit)
 
 
 def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedPrompt]) -> Acceptance:
@@ -133,35 +156,135 @@ def drafter_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: list[
     return recorded
 
 
-def loop_overhead(models: LoadedModels, probe: EncodedPrompt, single: float, tokens: int = 12) -> float:
+def cost_probes(prompts: list[EncodedPrompt], max_new_tokens: int) -> list[list[int]]:
+    """The sequences a plan's costs are measured at: the middle-length prompt of each of up to
+    `PROBE_BUCKETS` equal-size buckets of the run's prompts by length, continued halfway through its
+    decode (a forward's cost grows about linearly with the context, so mid-decode costs a decode's
+    mean). One probe prompt planned n-gram on a mixed set at 1.10x that measured 0.94x: the costs
+    of ~10-token prompts do not hold for ~850-token ones."""
+    ordered = sorted(prompts, key=lambda p: len(p.ids))
+    n = min(PROBE_BUCKETS, len(ordered))
+    chosen = [ordered[(2 * b + 1) * len(ordered) // (2 * n)].ids for b in range(n)]
+    at_length = {len(ids) + max_new_tokens // 2: ids for ids in chosen}  # one probe per length
+    return [list(itertools.islice(itertools.cycle(ids), length)) for length, ids in sorted(at_length.items())]
+
+
+def loop_overhead(models: LoadedModels, ids: list[int], single: float, tokens: int = 12) -> float:
     """Seconds a plain decoding step spends beyond its forward (sampling, bookkeeping, the sync)."""
     settings = DecodeSettings(num_draft_tokens=1)
     decoder = build_decoder(models.target_lm or models.target, models.drafter("none"), settings)
-    gen = decoder.generate(probe.ids, tokens)
+    gen = decoder.generate(ids, tokens)
     return max(0.0, median(gen.step_seconds) - single) if gen.step_seconds else 0.0
 
 
-def drafter_seconds(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt, acceptance: Acceptance,
+def lookup_seconds(cfg: EvalConfig, ids: list[int], max_k: int, repeats: int = ROUND_REPEATS) -> list[float]:
+    """n-gram lookup's host time proposing k = 0 .. max_k tokens at the end of `ids`: it scans the
+    context, so it grows with the context's length, and beside a small model's forward on a CPU it
+    is no free lunch (a plan that counted it as zero promised 1.10x and measured 0.94x)."""
+    def once(k: int) -> float:
+        start = time.perf_counter()
+        ngram_lookup(ids, k, cfg.ngram_max)
+        return time.perf_counter() - start
+
+    return [0.0] + [median(once(k) for _ in range(repeats)) for k in range(1, max_k + 1)]
+
+
+def parallel_widths(acceptance: Acceptance, max_k: int) -> list[int]:
+    """A parallel draft's forward when drafting k = 1 .. max_k: the pending tokens (the last step's
+    emitted ones, on average) and k - 1 masks."""
+    return [min(2 * max_k, round(1 + sum(acceptance.per_position[:k - 1])) + k - 1) for k in range(1, max_k + 1)]
+
+
+def drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance,
                     max_k: int) -> tuple[list[float], list[str]]:
-    """The drafter's share of a step drafting k = 0 .. max_k tokens, and any noise warnings."""
+    """The drafter's share of a step drafting k = 0 .. max_k tokens at the end of `ids` (a hybrid's
+    lookup included), and any noise warnings."""
     drafter = models.drafter(cfg.drafter_kind)
     if drafter.kind == "ngram":
-        return [0.0] * (max_k + 1), []  # a suffix lookup: nothing beside a forward
+        return lookup_seconds(cfg, ids, max_k), []
+    seconds, noise = model_drafter_seconds(cfg, models, ids, acceptance, max_k)
+    if cfg.ngram:  # a hybrid also looks up its n-gram branch every step
+        seconds = [s + lookup for s, lookup in zip(seconds, lookup_seconds(cfg, ids, max_k))]
+    return seconds, noise
+
+
+def model_drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance,
+                          max_k: int) -> tuple[list[float], list[str]]:
+    drafter = models.drafter(cfg.drafter_kind)
     target_lm = models.target_lm or as_cached_lm(models.target)
     if drafter.kind == "eagle3":  # a chain: one pass of the draft layer per draft token
-        one = eagle3_step_seconds(models.eagle3_lm or models.eagle3, target_lm, probe.ids)
+        one = eagle3_step_seconds(models.eagle3_lm or models.eagle3, target_lm, ids, repeats=ROUND_REPEATS)
         return [k * one for k in range(max_k + 1)], []
     if drafter.kind == "medusa":  # sampling: one pass of the first k heads
-        return [0.0] + [medusa_heads_seconds(models.heads, k, models.device) for k in range(1, max_k + 1)], []
+        return [0.0] + [medusa_heads_seconds(models.heads, k, models.device, repeats=ROUND_REPEATS)
+                        for k in range(1, max_k + 1)], []
     lm = models.draft_lm or as_cached_lm(models.draft)
     if drafter.kind == "draft":  # one forward per draft token
-        curve = forward_curve(lm, probe.ids, 1)
+        curve = forward_curve(lm, ids, 1, repeats=ROUND_REPEATS)
         return [k * median(curve[0]) for k in range(max_k + 1)], noisy(curve)
-    # a parallel draft: one forward of the pending tokens (the last step's emitted ones) and k-1 masks
-    widths = [0] + [min(2 * max_k, round(1 + sum(acceptance.per_position[:k - 1])) + k - 1)
-                    for k in range(1, max_k + 1)]
-    curve = forward_curve(lm, probe.ids, max(widths))
-    return [0.0] + [median(curve[w - 1]) for w in widths[1:]], noisy(curve)
+    widths = parallel_widths(acceptance, max_k)
+    curve = forward_curve(lm, ids, max(widths), repeats=ROUND_REPEATS)
+    return [0.0] + [median(curve[w - 1]) for w in widths], noisy(curve)
+
+
+def draft_forwards(cfg: EvalConfig, models: LoadedModels, acceptance: Acceptance,
+                   max_k: int) -> list[tuple[int, int]] | None:
+    """(forwards, tokens each) of a model drafter drafting k = 1 .. max_k, for `planning.implausible`."""
+    kind = models.drafter(cfg.drafter_kind).kind
+    if kind == "parallel_draft":
+        return [(1, w) for w in parallel_widths(acceptance, max_k)]
+    if kind in ("draft", "eagle3"):
+        return [(k, 1) for k in range(1, max_k + 1)]
+    return [(1, 1)] * max_k if kind == "medusa" else None
+
+
+def chain_round(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance, max_k: int):
+    """One round of a chain plan's costs at the end of `ids`: the target's forwards of 1 .. n tokens
+    (timings by size), the drafter's share of a step drafting 0 .. max_k, its noise, and a plain
+    step's overhead beyond its forward."""
+    target_lm = models.target_lm or as_cached_lm(models.target)
+    verify = forward_curve(target_lm, ids, max_k + 1 + (max_k if cfg.ngram else 0), repeats=ROUND_REPEATS)
+    draft, noise = drafter_seconds(cfg, models, ids, acceptance, max_k)
+    return verify, draft, noise, loop_overhead(models, ids, median(verify[0]))
+
+
+def measure_chain_costs(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]], acceptance: Acceptance,
+                        max_k: int) -> Costs:
+    """Every chain cost at every probe, in `COST_ROUNDS` interleaved rounds (a machine that slows
+    down mid-measurement hits target, drafter and overhead alike); each cost the median of its
+    rounds at a probe, then the mean over the probes (equal-size buckets of the run's prompts)."""
+    rounds = [[chain_round(cfg, models, ids, acceptance, max_k) for ids in probes] for _ in range(COST_ROUNDS)]
+    at_probe = list(zip(*rounds))  # per probe: its rounds' (verify, draft, noise, overhead)
+    curves = [[[t for r in rs for t in r[0][n]] for n in range(len(rs[0][0]))] for rs in at_probe]
+    # a busy machine: the rounds' medians at a probe disagree (a spike within a round is left to its median)
+    rounds_medians = [[[median(r[0][n]) for r in rs] for n in range(len(rs[0][0]))] for rs in at_probe]
+    noise = sorted({w for c in rounds_medians for w in noisy(c)} | {w for rs in at_probe for r in rs for w in r[2]})
+    return Costs(tuple(fmean(median(c[n]) for c in curves) for n in range(len(curves[0]))),
+                 tuple(fmean(median(r[1][k] for r in rs) for rs in at_probe) for k in range(max_k + 1)),
+                 fmean(median(r[3] for r in rs) for rs in at_probe), tuple(noise))
+
+
+def trusted_chain_costs(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]], acceptance: Acceptance,
+                        max_k: int) -> tuple[Costs, list[str]]:
+    """The chain costs, measured again (up to `COST_ATTEMPTS` times) while `planning.implausible`
+    finds them impossible; and its reasons where they stayed so."""
+    for _ in range(COST_ATTEMPTS):
+        costs = measure_chain_costs(cfg, models, probes, acceptance, max_k)
+        doubts = implausible(costs, draft_forwards(cfg, models, acceptance, max_k))
+        if not doubts:
+            break
+    return costs, doubts
+
+
+def no_tree_reason(cfg: EvalConfig) -> str | None:
+    """Why this drafter verifies no tree, for `--tree-nodes auto` to say (None: it may verify one)."""
+    if cfg.drafter_kind not in ("medusa", "eagle3"):
+        return f"{cfg.drafter_name} drafts a chain (only Medusa heads and EAGLE-3 drafts verify trees)"
+    if not cfg.greedy:
+        return f"{cfg.drafter_name} drafts a chain when sampling (trees are verified greedily: --temperature 0)"
+    if cfg.tree == "chain":
+        return f"--tree chain makes {cfg.drafter_name} draft a chain"
+    return None
 
 
 def plans_a_tree(cfg: EvalConfig, models: LoadedModels) -> bool:
@@ -171,24 +294,22 @@ def plans_a_tree(cfg: EvalConfig, models: LoadedModels) -> bool:
         tree_choice(models.drafter(cfg.drafter_kind), settings) is not None
 
 
-def plan_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
+def plan_drafter(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]],
                  calibration: list[EncodedPrompt]) -> tuple[Plan, dict]:
-    """The plan for one drafter and the report's `plan` block (SPEC §7)."""
+    """The plan for one drafter and the report's `plan` block (SPEC §7); `probes`: `cost_probes`."""
     if plans_a_tree(cfg, models):
-        return plan_tree_drafter(cfg, models, probe, calibration)
+        return plan_tree_drafter(cfg, models, probes[len(probes) // 2], calibration)
     acceptance = drafter_acceptance(cfg, models, calibration)
     max_k = min(PLAN_MAX_K, len(acceptance.per_position))
-    target_lm = models.target_lm or as_cached_lm(models.target)
     start = time.perf_counter()
-    verify = forward_curve(target_lm, probe.ids, max_k + 1 + (max_k if cfg.ngram else 0))
-    draft, draft_noise = drafter_seconds(cfg, models, probe, acceptance, max_k)
-    single = median(verify[0])
-    costs = Costs(tuple(median(v) for v in verify), tuple(draft), loop_overhead(models, probe, single),
-                  tuple(noisy(verify) + draft_noise))
-    plan = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens,
-                      acceptance.by_k)
+    costs, doubts = trusted_chain_costs(cfg, models, probes, acceptance, max_k)
+    plan = fallback_plan() if doubts else plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k,
+                                                     acceptance.extra_tokens, acceptance.by_k)
     warn_noise(cfg, costs.warnings)
-    block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": None, "tree_topk": None, "costs": costs.as_dict(),
+    warn_untrusted(cfg, doubts)
+    block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": None, "tree_topk": None,
+             "costs": {**costs.as_dict(), "context_lengths": [len(ids) for ids in probes], "rounds": COST_ROUNDS},
+             "untrusted": doubts,
              "planned_speedup": plan.planned_speedup, "expected_tokens": plan.expected_tokens,
              "source": acceptance.source, "acceptance": acceptance.per_position,
              "proposal_rates": acceptance.proposal_rates, "extra_tokens": acceptance.extra_tokens,
@@ -231,7 +352,7 @@ def recorded_trees(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedP
     return steps, extra
 
 
-def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt, depth: int, nodes: int,
+def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], depth: int, nodes: int,
                       topk: int) -> tuple[int, float]:
     """(the model's tree nodes, median seconds) of a whole decoding step (draft, verification,
     bookkeeping) with this tree on the probe prompt; K = 0 is a plain step."""
@@ -239,16 +360,32 @@ def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, probe: EncodedPromp
     settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
     decoder = build_decoder(models.target_lm or models.target, models.drafter(kind),
                             dataclasses.replace(settings, ngram_hybrid=settings.ngram_hybrid and depth > 0))
-    decoder.generate(probe.ids, 4)  # warm
+    decoder.generate(ids, 4)  # warm
     seconds = []
     for _ in range(2):
-        seconds += decoder.generate(probe.ids, STEP_PROBE_TOKENS).step_seconds
+        seconds += decoder.generate(ids, STEP_PROBE_TOKENS).step_seconds
     drafter = getattr(decoder, "drafter", None)
     model = getattr(drafter, "model", drafter)  # a hybrid's n-gram nodes are counted apart
     return (model.max_nodes if model is not None else 1), median(seconds)
 
 
-def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPrompt,
+def trusted_tree_costs(cfg: EvalConfig, models: LoadedModels, ids: list[int], measured: dict,
+                       sizes: list[int]) -> tuple[TreeCosts, list[str]]:
+    """The target's tree verification and a plain step, measured again (up to `COST_ATTEMPTS`
+    times) while a plain step's overhead beyond its forward is impossible (`planning.implausible`);
+    and its reasons where it stayed so."""
+    target_lm = models.target_lm or as_cached_lm(models.target)
+    for _ in range(COST_ATTEMPTS):
+        verify = forward_curve(target_lm, ids, sizes, tree=True)
+        plain = tree_step_seconds(cfg, models, ids, 0, 1, 1)[1]
+        single = median(verify[0])
+        doubts = implausible(Costs((single,), (0.0,), max(0.0, plain - single)))
+        if not doubts:
+            break
+    return TreeCosts(tuple(sizes), tuple(median(v) for v in verify), measured, plain, tuple(noisy(verify))), doubts
+
+
+def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, ids: list[int],
                       calibration: list[EncodedPrompt]) -> tuple[Plan, dict]:
     """The plan for Medusa heads or an EAGLE-3 draft verifying trees: depth, nodes and top-k."""
     if not calibration:
@@ -261,24 +398,31 @@ def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, probe: EncodedPromp
     for topk in topks:
         steps[topk], extra[topk] = recorded_trees(cfg, models, calibration, max(depths), max(nodes), topk)
         for depth in depths:
-            measured[(topk, depth)] = tree_step_seconds(cfg, models, probe, depth, max(nodes), topk)
-    target_lm = models.target_lm or as_cached_lm(models.target)
+            measured[(topk, depth)] = tree_step_seconds(cfg, models, ids, depth, max(nodes), topk)
     sizes = sorted({1, *range(2, 9), *(n for n in NODE_BUDGETS if n <= max(nodes) + max(depths))})
-    verify = forward_curve(target_lm, probe.ids, sizes, tree=True)
-    costs = TreeCosts(tuple(sizes), tuple(median(v) for v in verify), measured,
-                      tree_step_seconds(cfg, models, probe, 0, 1, 1)[1], tuple(noisy(verify)))
+    costs, doubts = trusted_tree_costs(cfg, models, ids, measured, sizes)
     limit = tree_node_limit if dynamic else (lambda topk, depth: measured[(topk, depth)][0])
-    plan = plan_tree(steps, costs, depths, nodes, extra, node_limit=limit)
+    plan = fallback_plan() if doubts else plan_tree(steps, costs, depths, nodes, extra, node_limit=limit)
     warn_noise(cfg, costs.warnings)
+    warn_untrusted(cfg, doubts)
     ranked = sorted(plan.candidates, key=lambda c: -c.planned_speedup)
     block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": plan.tree_nodes,
-             "tree_topk": plan.tree_topk if dynamic else None, "costs": costs.as_dict(),
+             "tree_topk": plan.tree_topk if dynamic else None,
+             "costs": {**costs.as_dict(), "context_lengths": [len(ids)]}, "untrusted": doubts,
              "planned_speedup": plan.planned_speedup, "expected_tokens": plan.expected_tokens,
              "source": f"{len(calibration)} calibration prompts from {cfg.calibration_prompts} "
                        f"({sum(len(s) for s in steps.values())} recorded tree steps)",
              "extra_tokens": extra, "candidates": [dataclasses.asdict(c) for c in ranked],
              "noise": list(costs.warnings), "seconds": time.perf_counter() - start}
     return plan, block
+
+
+def warn_untrusted(cfg: EvalConfig, doubts: list[str]) -> None:
+    """One `warning:` line for costs that stayed impossible when measured again: the plan fell back."""
+    if doubts:
+        print(f"warning: {cfg.drafter_name}: the measured costs cannot be the machine's ({'; '.join(doubts)}), "
+              f"measured {COST_ATTEMPTS} times; planned the target alone (K = 0) rather than speculate on noise: "
+              "run alone, or pass --num-draft-tokens K", file=sys.stderr)
 
 
 def warn_noise(cfg: EvalConfig, warnings) -> None:
@@ -288,26 +432,32 @@ def warn_noise(cfg: EvalConfig, warnings) -> None:
               "the plan may be made from noise: run alone", file=sys.stderr)
 
 
-def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], probe: EncodedPrompt,
+def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: list[EncodedPrompt],
                   calibration: list[EncodedPrompt]) -> tuple[list[EvalConfig], list[dict | None]]:
     """Every `auto` config with its planned K and tree (K = 0: the target alone), and the plans
-    for the reports. A chain drafter has no tree to size: `--tree-nodes auto` leaves it as it is."""
+    for the reports; costs are measured at `cost_probes` of the evaluated `prompts` (their lengths:
+    acceptance comes from other prompts). A chain drafter has no tree to size: beside a tree drafter
+    in a compare (`run.check_tree_nodes_auto` refuses it alone), its report says `--tree-nodes auto`
+    did not apply."""
+    probes = cost_probes(prompts, cfgs[0].max_new_tokens)
     planned, blocks = [], []
     for cfg, m in zip(cfgs, models):
         tree = cfg.drafter_kind != "none" and plans_a_tree(cfg, m)
+        not_applicable = {"tree_nodes_auto_not_applicable": no_tree_reason(cfg) or "it verifies no tree"} \
+            if cfg.tree_nodes == "auto" and not tree else {}
         if cfg.num_draft_tokens != "auto" and not (tree and cfg.tree_nodes == "auto"):
             planned.append(dataclasses.replace(cfg, tree_nodes=None) if cfg.tree_nodes == "auto" else cfg)
-            blocks.append(None)
+            blocks.append(not_applicable or None)
             continue
         if cfg.drafter_kind == "none":
             planned.append(dataclasses.replace(cfg, num_draft_tokens=0, tree_nodes=None))
             blocks.append(None)
             continue
-        plan, block = plan_drafter(cfg, m, probe, calibration)
+        plan, block = plan_drafter(cfg, m, probes, calibration)
         planned.append(dataclasses.replace(cfg, num_draft_tokens=plan.num_draft_tokens,
                                            tree_nodes=plan.tree_nodes if tree else None,
                                            tree_topk=plan.tree_topk if tree and plan.tree_topk else cfg.tree_topk))
-        blocks.append(block)
+        blocks.append({**block, **not_applicable})
     return planned, blocks
 
 

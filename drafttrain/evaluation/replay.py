@@ -22,7 +22,7 @@ from ..config import check_settings, flag_name, setting
 from ..decoding import NUM_DRAFT_TOKENS
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-from ..parallel import parallel_info, parallel_layout
+from ..parallel import check_parallel_config, parallel_info, parallel_layout
 from ..preflight import first_vocab_difference
 from ..prompts import encode_prompt, read_prompts
 from .config import DTYPE_CHOICES
@@ -323,6 +323,10 @@ def check_target(cfg: ReplayConfig, outputs: ReportOutputs) -> None:
     expected, local = recorded.get("target_fingerprint"), Path(cfg.target).is_dir()
     if expected is not None and local:
         same = target_fingerprint(cfg.target) == expected
+        if not same and Path(reported).resolve() == Path(cfg.target).resolve():
+            raise UserError(f"{cfg.outputs} was made with the target at {reported!r}, but the weights there changed "
+                            "since: their fingerprint differs from the one its report.json recorded; pass the target "
+                            "the report ran, or the outputs of a report on these weights")
     elif Path(reported).is_dir() and local:
         same = Path(reported).resolve() == Path(cfg.target).resolve()
     elif not local and not Path(reported).exists():  # two hub ids
@@ -386,7 +390,9 @@ def load_replay_draft(cfg: ReplayConfig, name: str, kind: str, path: str, tokeni
     if difference:
         raise UserError(f"{what} and the target disagree on token ids ({difference}); use a draft trained "
                         "with the target's tokenizer")
-    return load_causal_lm(path, dtype, device, what), None
+    draft = load_causal_lm(path, dtype, device, what)
+    check_parallel_config(draft, path)
+    return draft, None
 
 
 def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:

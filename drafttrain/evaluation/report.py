@@ -309,6 +309,9 @@ def plan_section(plan: dict | None) -> list[str]:
     with the measured speedup."""
     if not plan:
         return []
+    if "num_draft_tokens" not in plan:  # only `--tree-nodes auto`, which did not apply to this drafter
+        return ["## Plan (auto)", "", f"--tree-nodes auto did not apply: {plan['tree_nodes_auto_not_applicable']}.",
+                ""]
     chosen = plan["num_draft_tokens"]
     tree = "verify_sizes" in plan["costs"]
     setting = f"K = {chosen}" + (f", {plan['tree_nodes']} nodes" if tree and chosen else "") + \

@@ -19,13 +19,13 @@ import torch
 from ..decoding import build_decoder
 from ..errors import UserError
 from ..models import context_length
-from ..prompts import encode_prompts, read_prompts
+from ..prompts import encode_prompts, read_prompts, require_unique_ids
 from .config import EvalConfig, shared_settings
 from .costs import timed_generate
 from .loading import LoadedModels, attach_drafter, bind_engine, load_models
 from .metrics import PromptResult, defects
 from .outputs import prepare_output_dir, staged_output
-from .plan import calibration_prompts, resolve_plans
+from .plan import calibration_prompts, check_calibration, no_tree_reason, resolve_plans
 from .report import prompt_digest, write_report
 from .summary import build_report
 from .vllm_backend import ServedEngines, require_vllm, served_decoder
@@ -79,7 +79,10 @@ def check_inputs(cfgs: list[EvalConfig]) -> None:
         if shared_settings(cfg) != shared_settings(cfgs[0]):
             raise UserError("compared drafters must share target, prompts and decoding settings")
     check_tree_used(cfgs)
-    read_prompts(cfgs[0].prompts, cfgs[0].limit)
+    check_tree_nodes_auto(cfgs)
+    records = read_prompts(cfgs[0].prompts, cfgs[0].limit)
+    require_unique_ids(records)
+    check_calibration(cfgs[0], records)
     if any(cfg.backend == "vllm" for cfg in cfgs):
         require_vllm()
 
@@ -92,6 +95,16 @@ def check_tree_used(cfgs: list[EvalConfig]) -> None:
         drafters = ", ".join(sorted({f"--method {c.method}" if c.method else f"--{c.drafter_kind}" for c in cfgs}))
         raise UserError(f"--tree {tree} shapes the steps of Medusa heads (--heads) and EAGLE-3 drafts (--eagle3), "
                         f"not of {drafters}; leave --tree out")
+
+
+def check_tree_nodes_auto(cfgs: list[EvalConfig]) -> None:
+    """--tree-nodes auto sizes a tree: with no drafter of the run verifying one, it (and the
+    calibration file it reads) would be silently unused, so it is an error. In a compare beside a
+    tree drafter, a chain drafter's report says it did not apply (`plan.resolve_plans`)."""
+    reasons = [no_tree_reason(cfg) for cfg in cfgs]
+    if cfgs[0].tree_nodes == "auto" and all(reasons):
+        raise UserError(f"--tree-nodes auto sizes a tree, but {reasons[0]}; plan K with --num-draft-tokens auto, or "
+                        "leave --tree-nodes out")
 
 
 def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, progress: bool = True,
@@ -123,7 +136,7 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
         engines = ServedEngines(max_model_len=models[0].target_lm.max_length or context_length(loaded.target) or 4096)
         for m in models:
             m.served = engines
-    cfgs, plans = resolve_plans(cfgs, models, prompts[0], calibration)  # --num-draft-tokens auto: K from costs
+    cfgs, plans = resolve_plans(cfgs, models, prompts, calibration)  # --num-draft-tokens auto: K from costs
     first = cfgs[0]
     torch.manual_seed(first.seed)
     if loaded.device.type == "cuda":

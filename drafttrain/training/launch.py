@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import subprocess
+import sys
 
 
 def add_cli(sub) -> None:
@@ -30,8 +31,11 @@ def run_cli(args) -> int:
     return launch(args.args)
 
 
-def launch(argv: list[str]) -> int:
-    """accelerate launch `argv`; the recipe's exit code (0 when every process succeeded)."""
+def launch(argv: list[str], exiting: bool = False) -> int:
+    """accelerate launch `argv`; the recipe's exit code (0 when every process succeeded). `exiting`:
+    this process ends when this returns (the command line), so the Ctrl-C handler stays: a Ctrl-C
+    that reaches it during interpreter shutdown is otherwise a KeyboardInterrupt traceback from
+    an atexit callback."""
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     args = launch_command_parser().parse_args(argv)
@@ -44,7 +48,7 @@ def launch(argv: list[str]) -> int:
     try:
         launch_command(args)
     except subprocess.CalledProcessError as e:  # one process: accelerate's simple launcher
-        return e.returncode
+        return children_exit_code([e.returncode])
     except SystemExit as e:  # accelerate's --quiet, or argparse
         return e.code if isinstance(e.code, int) else 1
     except Exception as e:  # several processes: torch's ChildFailedError names each rank's exit code
@@ -52,7 +56,28 @@ def launch(argv: list[str]) -> int:
         codes = [c for c in codes if isinstance(c, int)]
         if not codes:
             raise
-        return 130 if 130 in codes or -signal.SIGINT in codes else max(codes, key=abs)
+        return children_exit_code(codes)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if not exiting:
+            signal.signal(signal.SIGINT, previous)
     return 0
+
+
+def children_exit_code(codes: list[int]) -> int:
+    """This process's exit code for its children's. A child killed by signal N (exit code -N, which
+    `sys.exit` would turn into 256 - N: 254 for SIGINT) is the shell's 128 + N, said in one line, as
+    a killed child says nothing itself; Ctrl-C (130) wins over any other code."""
+    mapped = [128 - c if c < 0 else c for c in codes]
+    signalled = next((-c for c in codes if c < 0), None)
+    if signalled is not None:
+        print(f"{'interrupted' if signalled == signal.SIGINT else 'killed'}: the recipe's process ended on "
+              f"{signal_name(signalled)}; started again with the same output directory, it resumes from its newest "
+              "checkpoint", file=sys.stderr)
+    return 130 if 130 in mapped else max(mapped)
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

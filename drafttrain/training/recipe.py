@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,9 +316,18 @@ def recipe_main(recipe_class: type[Recipe], argv: list[str] | None = None) -> in
     return 0
 
 
+def exit_with(code: int) -> None:
+    """A recipe script's exit: the run is over and its files written, so a Ctrl-C from here on (the
+    terminal's reaches every process of a launch) is ignored during interpreter shutdown rather
+    than a KeyboardInterrupt traceback from an atexit callback, and the exit code stays the run's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
+
+
 def _say(line: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike; say it once
         print(line, file=sys.stderr, flush=True)
 
 
-__all__ = ["ExportDtype", "RECIPE_FLAGS", "Recipe", "RecipeConfig", "RecipeEvalConfig", "TargetDtype", "recipe_main"]
+__all__ = ["ExportDtype", "RECIPE_FLAGS", "Recipe", "RecipeConfig", "RecipeEvalConfig", "TargetDtype", "exit_with",
+           "recipe_main"]

@@ -13,6 +13,8 @@ from tiny import noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 from drafttrain.cli import main
 from drafttrain.evaluation.config import PLAN_MAX_K
 from drafttrain.evaluation.plan import CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS
+from drafttrain.medusa.export import save_medusa
+from drafttrain.medusa.model import MedusaHeads
 
 PROMPTS = [{"prompt": "w5 w9 w13 w7"}, {"prompt": "w40 w41 w40 w41"}]
 CALIBRATION = [{"prompt": "w3 w4 w5 w6"}, {"prompt": "w30 w31 w30 w31"}, {"prompt": "w12 w13 w14"}]
@@ -30,6 +32,10 @@ def setup(tmp_path_factory):
     (recorded / "drafttrain.json").write_text(json.dumps(
         {"held_out": {"prompts": 8, "num_draft_tokens": 3, "tau": 2.5, "per_position_acceptance": [0.8, 0.5, 0.2]}}))
     dirs["recorded"] = str(recorded)
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
+    save_medusa(heads, root / "heads", extra={"drafttrain": {"kind": "medusa-1", "target": "t"}})
+    dirs["heads"] = str(root / "heads")
+    dirs["short"] = write_jsonl(root / "short.jsonl", [{"prompt": "w3"}, {"prompt": "w30 w31"}])
     return dirs
 
 
@@ -70,7 +76,8 @@ def test_a_calibrated_plan_decodes_with_its_k_and_equals_the_target(setup, tmp_p
     assert plan["measured_speedup"] == report["overall"]["speedup"]
     assert report["overall"]["outputs_match_baseline"] == 1.0
     if drafter == "ngram":  # planned with the acceptance walked at each K
-        assert plan["costs"]["draft_seconds"] == [0.0] * (PLAN_MAX_K + 1) and plan["proposal_rates"] is not None
+        draft = plan["costs"]["draft_seconds"]  # the lookup's own host time (issue 30, K)
+        assert draft[0] == 0.0 and all(s > 0 for s in draft[1:]) and plan["proposal_rates"] is not None
         walked = plan["walked"]
         assert sorted(walked, key=int) == [str(k) for k in range(1, PLAN_MAX_K + 1)]
         assert walked[str(PLAN_MAX_K)]["acceptance"] == pytest.approx(plan["acceptance"])  # the decode's own K
@@ -141,3 +148,144 @@ def test_lookup_reads_more_calibration_prompts_than_a_model(setup, tmp_path):
         read[name] = json.loads((tmp_path / name / "report.json").read_text())["plan"]["source"]
     assert read["draft"].startswith(f"{CALIBRATION_PROMPTS} calibration prompts")
     assert read["ngram"].startswith(f"{LOOKUP_CALIBRATION_PROMPTS} calibration prompts")
+
+
+def test_calibration_prompts_are_compared_with_the_evaluated_ones_by_content(setup, tmp_path, capsys):
+    """Issue 30 (H): a byte-identical copy of --prompts under another name planned on the evaluated
+    prompts, since only paths were compared. SPEC §7 wants acceptance from other prompts, so any
+    calibration prompt that is also evaluated is refused, with the count (lm-eval's decontamination
+    reports overlap the same way: by content, counted), and nothing is written."""
+    copy = write_jsonl(tmp_path / "copy.jsonl", PROMPTS)
+    some = write_jsonl(tmp_path / "some.jsonl", [*CALIBRATION, {"id": "x", **PROMPTS[1]}])
+    for calibration, count in ((copy, "2 of the 2"), (some, "1 of the 4")):
+        line = argv(setup, tmp_path / "o", "--calibration-prompts", calibration, drafter=("--method", "ngram"))
+        one_error_line(*cli(capsys, line), count, "evaluated prompt file", f"{setup['prompts']}:")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_missing_calibration_file_names_its_flag(setup, tmp_path, capsys):
+    """Issue 30: a missing --calibration-prompts file was reported as "pass an existing JSONL file
+    to --prompts", the flag that was right."""
+    line = argv(setup, tmp_path / "o", "--calibration-prompts", str(tmp_path / "none.jsonl"),
+                drafter=("--method", "ngram"))
+    error = one_error_line(*cli(capsys, line), "none.jsonl", "--calibration-prompts")
+    assert "--prompts" not in error.replace("--calibration-prompts", "")
+    assert not (tmp_path / "o").exists()
+
+
+BUDGETS = {  # (drafter flags, extra flags) that planned past caches sized for the run's own budget
+    "ngram, 1 new token": (("--method", "ngram"), ("--max-new-tokens", "1")),
+    "ngram, 2 new tokens": (("--method", "ngram"), ("--max-new-tokens", "2")),
+    "draft LM, 1 new token": ("draft", ("--max-new-tokens", "1")),
+    "heads' tree, 8 new tokens": ("heads", ("--max-new-tokens", "8", "--num-draft-tokens", "2", "--tree-nodes", "auto")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUDGETS))
+def test_a_plan_fits_any_budget_it_is_given(setup, tmp_path, case):
+    """Issue 30 (A): with 1 or 2 new tokens (or a tree sized for 8), the plan's own probes decoded
+    past KV caches sized for the run's budget: "the KV cache holds at most 14 tokens", for valid
+    input that a fixed K ran. The caches now hold the probes too, with short calibration prompts."""
+    spec, extra = BUDGETS[case]
+    spec = ("--" + spec, setup[spec]) if isinstance(spec, str) else spec
+    line = [*argv(setup, tmp_path / "o", "--calibration-prompts", setup["short"], drafter=spec), *extra]
+    assert main(line) == 0
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["plan"]["num_draft_tokens"] >= 0 and report["overall"]["outputs_match_baseline"] == 1.0
+
+
+def test_compare_plans_a_tree_and_says_tree_nodes_auto_did_not_apply_to_a_chain(setup, tmp_path):
+    """Issue 30 (A, B): compare with heads and a chain draft under --tree-nodes auto: the heads'
+    tree is planned within an 8-token budget, and the draft's report says --tree-nodes auto did not
+    apply to it, rather than a plan of null (as `vllm bench` prints the settings each run used)."""
+    assert main(["compare", "--target", setup["target"], "--drafter", f"h=heads:{setup['heads']}",
+                 "--drafter", f"d=draft:{setup['draft']}", "--prompts", setup["prompts"], "--max-new-tokens", "8",
+                 "--num-draft-tokens", "2", "--tree-nodes", "auto", "--calibration-prompts", setup["short"],
+                 "--dtype", "float64", "--out", str(tmp_path / "c"), "--quiet"]) == 0
+    heads = json.loads((tmp_path / "c" / "h" / "report.json").read_text())["plan"]
+    draft = json.loads((tmp_path / "c" / "d" / "report.json").read_text())["plan"]
+    assert heads["tree_nodes"] is None or heads["tree_nodes"] >= 2
+    assert "drafts a chain" in draft["tree_nodes_auto_not_applicable"]
+    assert "did not apply" in (tmp_path / "c" / "d" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("drafter, extra, words", [
+    ("draft", (), ["--tree-nodes auto", "draft drafts a chain", "--num-draft-tokens auto"]),
+    ("heads", ("--temperature", "0.5"), ["--tree-nodes auto", "when sampling"]),
+    ("heads", ("--tree", "chain"), ["--tree-nodes auto", "--tree chain"])])
+def test_tree_nodes_auto_for_a_drafter_without_a_tree_is_refused(setup, tmp_path, capsys, drafter, extra, words):
+    """Issue 30 (B): --tree-nodes auto with a chain drafter (or a tree drafter that drafts a chain
+    when sampling) exited 0 with a null plan, the calibration file silently unused. An `auto` that
+    cannot apply is one error line, as lm-eval refuses arguments a task does not take."""
+    line = argv(setup, tmp_path / "o", "--tree-nodes", "auto", "--calibration-prompts", setup["calibration"], *extra,
+                drafter=(f"--{drafter}", setup[drafter]))
+    line[line.index("auto")] = "2"
+    one_error_line(*cli(capsys, line), *words)
+    assert not (tmp_path / "o").exists()
+
+
+def planned_with(setup, tmp_path, capsys, spec=("--method", "ngram"), prompts=None):
+    """(report's plan, stderr) of a planned eval."""
+    line = argv(setup, tmp_path / "o", "--calibration-prompts", setup["calibration"], drafter=spec)
+    if prompts:
+        line[line.index(setup["prompts"])] = prompts
+    code, _, err = cli(capsys, line)
+    assert code == 0, err
+    return json.loads((tmp_path / "o" / "report.json").read_text())["plan"], err
+
+
+@pytest.mark.parametrize("impossible", ["overhead", "draft forward"])
+def test_costs_that_cannot_be_the_machines_fall_back_to_the_target_alone(setup, tmp_path, capsys, monkeypatch,
+                                                                         impossible):
+    """Issue 30 (J): on a shared machine the demo planned a draft at 1.21x that measured 0.62x, from
+    a 2.15 s plain-step overhead and a 0.448 s draft forward beside a 39 ms target forward. Costs
+    like that are measured again, and where they stay impossible the plan is the target alone
+    (never slower than itself) with one warning, not speculation sized on noise."""
+    from drafttrain.evaluation import plan as planner
+
+    calls = []
+    if impossible == "overhead":
+        monkeypatch.setattr(planner, "loop_overhead", lambda *a, **k: calls.append(1) or 2.15)
+    else:
+        real = planner.model_drafter_seconds
+
+        def slow(*args, **kwargs):
+            calls.append(1)
+            seconds, noise = real(*args, **kwargs)
+            return [s + 0.448 * k for k, s in enumerate(seconds)], noise
+
+        monkeypatch.setattr(planner, "model_drafter_seconds", slow)
+    plan, err = planned_with(setup, tmp_path, capsys, spec=("--draft", setup["draft"]))
+    assert plan["num_draft_tokens"] == 0 and plan["planned_speedup"] == 1.0 and plan["untrusted"]
+    assert len(calls) == planner.COST_ATTEMPTS * planner.COST_ROUNDS  # measured again before giving up
+    warnings = [w for w in err.splitlines() if "cannot be the machine's" in w]
+    assert len(warnings) == 1 and "target alone" in warnings[0], err
+
+
+def test_plausible_costs_are_trusted_and_measured_once(setup, tmp_path, capsys):
+    plan, err = planned_with(setup, tmp_path, capsys, spec=("--draft", setup["draft"]))
+    assert plan["untrusted"] == [] and "cannot be the machine's" not in err
+
+
+def test_costs_are_measured_over_the_context_lengths_the_run_decodes(setup, tmp_path, capsys, monkeypatch):
+    """Issue 30 (K): n-gram planned 1.10x on a mixed set (prompts of ~10 to ~850 tokens) and measured
+    0.94x: its costs came from one probe prompt at one context length, and the lookup's own host
+    time counted as zero. Costs are now measured mid-decode of each prompt-length bucket and
+    averaged, and the lookup's time is a cost like a draft model's."""
+    from drafttrain.evaluation import plan as planner
+
+    lengths = []
+    real = planner.forward_curve
+
+    def recording(lm, prompt, *args, **kwargs):
+        lengths.append(len(prompt))
+        return real(lm, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "forward_curve", recording)
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "w5 w9"}, {"prompt": " ".join(["w7 w8 w9"] * 6)},
+                                                   {"prompt": " ".join(f"w{3 + i}" for i in range(40))}])
+    plan, _ = planned_with(setup, tmp_path, capsys, prompts=mixed)
+    contexts = plan["costs"]["context_lengths"]
+    assert contexts == [2 + 6, 18 + 6, 40 + 6]  # each bucket's prompt, halfway through its 12 new tokens
+    assert sorted(set(lengths)) == contexts and len(lengths) == planner.COST_ROUNDS * len(contexts)
+    assert all(s > 0 for s in plan["costs"]["draft_seconds"][1:])  # the lookup's host time

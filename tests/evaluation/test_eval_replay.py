@@ -251,3 +251,29 @@ def test_eval_records_what_replay_checks(report):
     rows = [json.loads(line) for line in (report / "report" / "outputs.jsonl").read_text().splitlines()]
     tok = tiny_tokenizer(64)
     assert rows[0]["prompt_sha256"] == prompt_digest(tok("w5 w9 w13 w7")["input_ids"])
+
+
+def test_replay_against_changed_weights_at_the_reports_path_names_the_fingerprint(report, tmp_path, capsys):
+    """Issue 30: the report's target path, retrained in place, was refused as "made with the target
+    X, not --target X": the same path twice. The path is the same; the weights' fingerprint is not."""
+    changed = tmp_path / "tgt"
+    save_pair(changed, tiny_lm(1, dtype=torch.float64), tiny_tokenizer(64))
+
+    def at_changed_path(data):
+        return {**data, "inputs": {**data["inputs"], "target": str(changed)}}
+
+    outputs = copy_report(report, tmp_path / "r", at_changed_path)
+    argv = replay_argv(report, f"d={report / 'draft'}", outputs=outputs) + ["--target", str(changed)]
+    one_error_line(*cli(capsys, argv), str(changed), "fingerprint differs")
+
+
+def test_eval_refuses_two_prompts_under_one_id_as_replay_would(report, tmp_path, capsys):
+    """Issue 30 (G): eval passed a file with two lines of one id, and replay of its report then
+    refused the very file it ran ("not the prompt the report decoded under that id"). Reports key
+    outputs by id (as lm-eval's samples by doc id), so eval refuses the file up front, naming both
+    lines, and nothing is written."""
+    twice = write_jsonl(tmp_path / "twice.jsonl", [{"id": "a", "prompt": "w5 w9"}, {"id": "a", "prompt": "w7 w8"}])
+    argv = ["eval", "--target", str(report / "target"), "--method", "ngram", "--prompts", twice, "--dtype", "float64",
+            "--max-new-tokens", "4", "--out", str(tmp_path / "o"), "--quiet"]
+    one_error_line(*cli(capsys, argv), f"{twice}:2", "'a'", f"{twice}:1", "\"id\"")
+    assert not (tmp_path / "o").exists()

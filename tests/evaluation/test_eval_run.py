@@ -563,3 +563,39 @@ def test_a_parallel_draft_is_detected_and_drafts_with_one_forward_per_step(model
     _, ngram, _ = run_ok(["eval", "--target", models["target"], "--method", "ngram", *prompts_argv(prompt_files),
                           "--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path / "ngram"), "--quiet"])
     assert ngram["overall"]["draft_forwards"] == 0
+
+
+PARALLEL_DAMAGES = {  # config.json edits of a parallel-draft export, and words its one error line holds
+    "pard_token past the vocabulary": ({"pard_token": 9999}, ["pard_token 9999", "vocabulary of 64"]),
+    "negative pard_token": ({"pard_token": -1}, ["pard_token -1"]),
+    "pard_token not an integer": ({"pard_token": "x"}, ["pard_token 'x'"]),
+    "pard_token removed, spd_type pard": ({"pard_token": None}, ["pard_token None"]),
+    "parallel_tokens 0": ({"drafttrain": {"parallel_tokens": 0}}, ["parallel_tokens 0", "2 to 16"]),
+    "parallel_tokens negative": ({"drafttrain": {"parallel_tokens": -2}}, ["parallel_tokens -2"]),
+    "parallel_tokens past the bound": ({"drafttrain": {"parallel_tokens": 100000}}, ["parallel_tokens 100000"]),
+    "parallel_tokens not an integer": ({"drafttrain": {"parallel_tokens": 2.5}}, ["parallel_tokens 2.5"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARALLEL_DAMAGES))
+def test_a_parallel_export_is_checked_on_load_like_an_eagle3_one(models, prompt_files, tmp_path, capsys, case):
+    """Issue 30 (C, D): pard_token 9999 or -1 was an IndexError traceback; pard_token removed or "x"
+    beside spd_type "pard" decoded the draft as a sequential one (63 draft forwards instead of 19),
+    silently; parallel_tokens 0, -2 or 100000 went into the report. Each is one error line naming
+    the field, before any prompt is decoded, and nothing is written."""
+    from drafttrain.parallel import mark_parallel
+
+    draft = AutoModelForCausalLM.from_pretrained(models["draft"], dtype=torch.float32)
+    mark_parallel(draft, 9, K)
+    path = Path(save_pair(tmp_path / "parallel", draft, tiny_tokenizer()))
+    edit, words = PARALLEL_DAMAGES[case]
+    config = json.loads((path / "config.json").read_text())
+    config.update(edit)
+    if config["pard_token"] is None:
+        del config["pard_token"]
+    (path / "config.json").write_text(json.dumps(config))
+    argv = ["eval", "--target", models["target"], "--draft", str(path), *prompts_argv(prompt_files),
+            "--num-draft-tokens", str(K), "--max-new-tokens", "4", "--dtype", "float64", "--out", str(tmp_path / "o"),
+            "--quiet"]
+    one_error_line(*cli(capsys, argv), str(path), *words)
+    assert not (tmp_path / "o").exists()

@@ -422,6 +422,17 @@ def test_a_parallel_draft_with_another_recipe_setting_it_cannot_train_is_refused
     assert len(err) == 1 and "parallel" in err[0] and not (tmp_path / "x").exists()
 
 
+def test_parallel_tokens_past_the_bound_are_refused_with_the_reason_before_the_run_is_claimed(assets, tmp_path,
+                                                                                               capfd):
+    """Issue 30 (E): draft.parallel_tokens=100000 was still in its first step after 120 s (K-1 mask
+    blocks per sequence), its run directory claimed. Now one line that states the bound and why."""
+    args = recipe_args(assets, tmp_path / "x", "draft.parallel_tokens=100000")
+    assert load_recipe().main(args) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "draft.parallel_tokens=100000" in err[0] and "at most 16" in err[0], err
+    assert "mask" in err[0] and not (tmp_path / "x").exists()
+
+
 def test_a_parallel_draft_trains_with_each_depth_weighing_the_same(assets, tmp_path):
     """draft.parallel_loss=depths (`parallel.depth_balanced`) runs through the recipe: step 1's
     logged loss (same batch, same weights) differs from the plain mean over rows, and it trains."""

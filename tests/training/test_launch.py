@@ -54,3 +54,42 @@ def test_ctrl_c_is_the_recipes_one_line_and_exit_130(assets, tmp_path):
     assert proc.returncode == 130, err
     assert len(lines) == 1 and lines[0].startswith("interrupted"), lines
     assert "Traceback" not in err
+
+
+# A launch whose child dies by a signal (accelerate's launcher stood in for), then a Ctrl-C that
+# reaches the launcher during interpreter shutdown, as the terminal's does just after a recipe ends.
+SIGNAL_DEATH = """
+import atexit, os, signal, subprocess, sys, time, types
+import accelerate.commands.launch as accelerate_launch
+
+def died(args):
+    if {multi}:
+        error = RuntimeError("ChildFailedError")
+        error.failures = {{0: types.SimpleNamespace(exitcode=0), 1: types.SimpleNamespace(exitcode=-{signal})}}
+        raise error
+    raise subprocess.CalledProcessError(-{signal}, ["python", "recipe.py"])
+
+def ctrl_c_at_exit():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+
+accelerate_launch.launch_command = died
+atexit.register(ctrl_c_at_exit)
+from drafttrain.cli import main
+sys.exit(main(["launch", "recipe.py"]))
+"""
+
+
+@pytest.mark.parametrize("multi", [False, True])
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGKILL, 137, "killed")])
+def test_a_child_killed_by_a_signal_is_128_plus_the_signal_and_one_line(multi, sig, code, word):
+    """Issue 30 (F): a single process's returncode -2 came back unchanged (sys.exit(-2): exit 254)
+    where the multi-process branch mapped it to 130, and a Ctrl-C during the launcher's shutdown
+    was an `Exception ignored in atexit` KeyboardInterrupt traceback. Any signal death of a child is
+    now the shell's 128 + N in both branches, with one line, and nothing after it."""
+    script = SIGNAL_DEATH.format(multi=multi, signal=int(sig))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(),
+                         timeout=120, cwd=REPO)
+    lines = stderr_lines(run.stderr)
+    assert run.returncode == code, run.stderr
+    assert len(lines) == 1 and lines[0].startswith(word) and sig.name in lines[0], lines
