@@ -111,30 +111,29 @@ def widest_choice(paths) -> int:
 
 @dataclass
 class Tree:
-    """The structure of one verification pass's N candidate tokens; node 0 is the root."""
+    """The structure of one verification pass's N candidate tokens; node 0 is the root.
 
-    parents: list[int]              # host: parent node, -1 for the root; parents[n] < n
-    parent: torch.Tensor            # [N] long: the same on the device (-1 for the root)
+    Everything a pass reads is on the device. `parents` is the same structure on the host where
+    the tree was built there (static trees, merges); a tree drafted on the device (EAGLE-2's)
+    has None: reading it would cost the step a host sync, and the decoder reads the accepted
+    path from the verdict instead (`path_nodes`)."""
+
+    parent: torch.Tensor            # [N] long: parent node, -1 for the root (parent[n] < n)
     depths: torch.Tensor            # [N] long: root 0; node n sits at position past_len + depths[n]
     attention_mask: torch.Tensor    # [N, N] bool: node attends to itself and its ancestors
+    max_depth: int                  # draft positions the tree covers (root excluded)
+    parents: list[int] | None = None  # host copy of `parent`, where known
 
     @property
     def num_nodes(self) -> int:
-        return len(self.parents)
-
-    @property
-    def max_depth(self) -> int:
-        """Draft positions the tree covers (root excluded)."""
-        depths: list[int] = []
-        for p in self.parents:
-            depths.append(0 if p < 0 else depths[p] + 1)
-        return max(depths, default=0)
+        return self.parent.shape[0]
 
     def path_to(self, node: int) -> list[int]:
-        """Root-to-node node indices."""
+        """Root-to-node node indices (a device tree's parents are read: a host sync, outside decoding)."""
+        parents = self.parents if self.parents is not None else self.parent.tolist()
         path = [node]
-        while self.parents[path[-1]] >= 0:
-            path.append(self.parents[path[-1]])
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
         return path[::-1]
 
     def to(self, device) -> "Tree":
@@ -143,6 +142,17 @@ class Tree:
             if isinstance(value, torch.Tensor):
                 moved[name] = value.to(device)
         return type(self)(**moved)
+
+
+def path_nodes(tree: Tree, node: torch.Tensor) -> torch.Tensor:
+    """The root-to-`node` path (`node` 0-d, on the device) as node indices [max_depth + 1],
+    padded by repeating `node`: fixed-size gathers, no host sync. Parents precede their children,
+    so a path's indices ascend with its depth."""
+    n = tree.num_nodes
+    order = torch.arange(n, device=node.device)
+    row = tree.attention_mask.index_select(0, node.view(1))[0]  # indexing by a 0-d tensor would read it
+    on_path = torch.where(row, order, n).sort().values[:tree.max_depth + 1]
+    return torch.where(on_path < n, on_path, node)
 
 
 def tree_from_parents(parents: list[int], device=None) -> Tree:
@@ -156,8 +166,9 @@ def tree_from_parents(parents: list[int], device=None) -> Tree:
     for n in range(1, n_nodes):
         depths[n] = depths[parents[n]] + 1
         mask[n] |= mask[parents[n]]
-    return Tree(parents=list(parents), parent=torch.tensor(parents, dtype=torch.long, device=device),
-                depths=torch.tensor(depths, dtype=torch.long, device=device), attention_mask=mask.to(device))
+    return Tree(parent=torch.tensor(parents, dtype=torch.long, device=device),
+                depths=torch.tensor(depths, dtype=torch.long, device=device), attention_mask=mask.to(device),
+                max_depth=max(depths), parents=list(parents))
 
 
 def chain(n: int, device=None) -> Tree:

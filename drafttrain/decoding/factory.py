@@ -121,7 +121,7 @@ def _draft_proposer(target, drafter, s) -> Proposer:
     if drafter.kind == "parallel_draft":
         return ParallelDraftProposer(drafter.model, vocab, drafter.info["pard_token"], s.temperature, s.top_p,
                                      s.generator, parallel_tokens=drafter.info.get("parallel_tokens"))
-    return DraftModelProposer(drafter.model, vocab, s.temperature, s.top_p, s.generator)
+    return DraftModelProposer(drafter.model, vocab, s.temperature, s.top_p, s.generator, s.num_draft_tokens)
 
 
 def _draft_lm(target, drafter, s):

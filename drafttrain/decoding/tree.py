@@ -14,7 +14,6 @@ import torch
 
 from ..planning import TreeStep
 from ..trees import Tree
-from .engines import device_tensor
 from .loop import Decoder, Step, top2_margins
 from .verify import greedy_tree_verdict
 
@@ -110,18 +109,20 @@ class TreeDecoder(Decoder):
         tokens, tree = self.drafter.draft(self.pending, depth)
         past = self.target.length
         logits, hidden = self.target.forward(tokens, tree=tree, hidden_layers=self.hidden_layers)
-        verdict = greedy_tree_verdict(logits.argmax(dim=-1), tokens, tree)
-        n_nodes = tokens.numel()
+        verdict = greedy_tree_verdict(logits.argmax(dim=-1), tokens, tree, depth)
+        width = tree.max_depth + 1  # the path's entries in the verdict
         values = (torch.cat([verdict.double(), top2_margins(logits)]) if self.record_margins else verdict).tolist()
         best = int(values[0])  # the one host sync of the step is above
-        argmax = values[1:1 + n_nodes]
-        nodes = tree.path_to(best)
-        self.target.compact(past, nodes)
-        kept = hidden.index_select(0, device_tensor(nodes, self.device)) if hidden is not None else None
+        nodes = [int(n) for n in values[1:1 + width]]
+        nodes = nodes[:nodes.index(best) + 1]
+        argmax = values[1 + width:1 + width + tokens.numel()]
+        path = verdict[1:1 + width]  # on the device, padded: fixed-size gathers below
+        self.target.compact(past, nodes, path=path)
+        kept = hidden.index_select(0, path)[:len(nodes)] if hidden is not None else None
         accepted = [int(argmax[p]) for p in nodes[:-1]]
         if self.recorded is not None:
             self.record(accepted, int(argmax[best]))
         self.drafter.commit(nodes, accepted, int(argmax[best]), hidden=kept)
-        self.pending = verdict[1 + best:2 + best]  # stays on the device
-        margins = [values[1 + n_nodes + p] for p in nodes] if self.record_margins else None
-        return Step(accepted=accepted, bonus=int(argmax[best]), proposed=tree.max_depth, margins=margins)
+        self.pending = verdict[1 + width + best:2 + width + best]  # stays on the device
+        margins = [values[1 + width + tokens.numel() + p] for p in nodes] if self.record_margins else None
+        return Step(accepted=accepted, bonus=int(argmax[best]), proposed=min(tree.max_depth, depth), margins=margins)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..trees import Tree
+from ..trees import Tree, path_nodes
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -81,20 +81,26 @@ def verify_sampled(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     return torch.cat([n.view(1), emitted])
 
 
-def greedy_tree_verdict(target_argmax: torch.Tensor, candidate_tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """Greedy acceptance on the device: [best, argmax_0, ..., argmax_{N-1}] (read `best` first).
+def greedy_tree_verdict(target_argmax: torch.Tensor, candidate_tokens: torch.Tensor, tree: Tree,
+                        depth: int | None = None) -> torch.Tensor:
+    """Greedy acceptance on the device: [best, path_0, ..., path_D, argmax_0, ..., argmax_{N-1}]
+    (D = tree.max_depth; read `best` first).
 
     A node is accepted when its token equals the target's argmax at its parent and its parent is
-    accepted; `best` is the deepest accepted node (ties: the lowest index, i.e. the first path in
-    depth-first order for Medusa's node order). The accepted drafts are the argmax at `best`'s
-    ancestors, the bonus token is the argmax at `best`: nothing else needs to leave the device.
+    accepted; `best` is the deepest accepted node no deeper than `depth` (None: any; ties: the
+    lowest index, i.e. the first path in depth-first order for Medusa's node order). `path` is
+    root-to-`best`, padded by repeating `best` (`trees.path_nodes`). The accepted drafts are the
+    argmax at `best`'s ancestors, the bonus token is the argmax at `best`: nothing else needs to
+    leave the device, and the host learns all of it in one read.
     """
     device = target_argmax.device
     n = candidate_tokens.shape[0]
-    ok = candidate_tokens == target_argmax[tree.parent.to(device).clamp(min=0)]
+    ok = candidate_tokens == target_argmax[tree.parent.clamp(min=0)]
     ok[0] = True
-    accepted = ~(tree.attention_mask.to(device) & ~ok[None, :]).any(dim=1)  # every ancestor (and self) matched
+    accepted = ~(tree.attention_mask & ~ok[None, :]).any(dim=1)  # every ancestor (and self) matched
+    if depth is not None and depth < tree.max_depth:
+        accepted &= tree.depths <= depth
     order = torch.arange(n, device=device)
-    score = torch.where(accepted, tree.depths.to(device) * n + (n - 1 - order), -1)
+    score = torch.where(accepted, tree.depths * n + (n - 1 - order), -1)
     best = score.argmax()
-    return torch.cat([best.view(1), target_argmax])
+    return torch.cat([best.view(1), path_nodes(tree, best), target_argmax])

@@ -252,7 +252,8 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
     ]
     if engine:
         lines += ["", f"Engine: {engine.get('used')} (requested {engine.get('requested')}); compile/capture "
-                      f"{_fmt(engine.get('compile_seconds'), 1)} s, not counted in tokens/s."]
+                      f"{_fmt(engine.get('compile_seconds'), 1)} s (compile cache: {engine.get('compile_cache', 'off')}), "
+                      "not counted in tokens/s."]
     lines += [
         "",
         "tau = mean accepted length = new tokens / target forward passes (plain decoding: 1.0). "

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from ..decoding import build_decoder
+from ..decoding.engines.compiled import compile_cache_state
 from ..errors import UserError
 from ..models import context_length
 from ..prompts import encode_prompts, read_prompts, require_unique_ids
@@ -181,9 +182,9 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                 rs.append(r)
 
     lms = {id(lm): lm for m in models for lm in (m.target_lm, m.draft_lm, m.eagle3_lm) if lm is not None}
-    engine = {"requested": first.engine, "used": engine_used,
-              "compile_seconds": sum(lm.compile_seconds for lm in lms.values()),
-              "warmup_seconds": warmup_seconds}
+    compile_seconds = sum(lm.compile_seconds for lm in lms.values())
+    engine = {"requested": first.engine, "used": engine_used, "compile_seconds": compile_seconds,
+              "compile_cache": compile_cache_state(compile_seconds), "warmup_seconds": warmup_seconds}
     drafts = {m.draft_lm.engine for m in models if m.draft_lm is not None}
     if drafts - {engine_used}:
         engine["draft_engines"] = sorted(drafts)

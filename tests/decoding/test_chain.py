@@ -5,7 +5,7 @@ every engine."""
 import pytest
 import torch
 from engines import ENGINES, on_engine, ready
-from tiny import greedy_reference, noisy_copy, tiny_lm
+from tiny import greedy_reference, noisy_copy, tiny_gemma3, tiny_lm
 
 from drafttrain.decoding import DraftModelProposer, NgramProposer, NoProposer, ChainDecoder
 from drafttrain.decoding import Proposer, StaticLM
@@ -68,6 +68,22 @@ def test_greedy_stops_at_eos_like_generate(target, kind, k, engine):
             assert ref[-1] == eos and eos not in ref[:-1]
             decoder = decoder_for(target, kind, k, engine, eos_token_ids={eos})
             assert decoder.generate(prompt, 30).tokens == ref
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", ["none", "ngram", "noisy-draft"])
+def test_greedy_equals_generate_on_gemma3(kind, engine):
+    """A Gemma-3 target and draft (sliding and global layers, a 4-token window every prompt runs
+    past): rollbacks of every size across the window stay exact."""
+    target = tiny_gemma3(0)
+    decoder = decoder_for(target, kind, 3, engine)
+    accepted = []
+    for prompt in PROMPTS:
+        gen = decoder.generate(prompt, 30)
+        assert gen.tokens == reference(target, prompt, 30)
+        accepted += gen.accepted_lengths
+    if kind == "noisy-draft":
+        assert {0, 3} <= set(accepted) and any(0 < a < 3 for a in accepted)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -23,8 +23,10 @@ def greedy_accept_tree(candidate_tokens, target_argmax, tree):
     """The accepted path from `greedy_tree_verdict`, on the host: (nodes, root first; their draft
     tokens; the bonus token), as the tree decoder reads it."""
     verdict = greedy_tree_verdict(target_argmax, candidate_tokens, tree).tolist()
+    width = tree.max_depth + 1
     nodes = tree.path_to(verdict[0])
-    argmax = verdict[1:]
+    assert verdict[1:1 + width] == nodes + nodes[-1:] * (width - len(nodes))  # the path, padded with best
+    argmax = verdict[1 + width:]
     return nodes, [argmax[p] for p in nodes[:-1]], argmax[nodes[-1]]
 # Transformers' eager attention takes its softmax in float32 even for a float64 model; SDPA (and
 # the static engine) stays in float64. A wrong mask or position moves logits by ~1e-1, far above
@@ -299,7 +301,7 @@ def test_device_verdict_matches_brute_force_on_generic_trees(seed):
         if all(int(tokens[c]) == int(argmax[p]) for p, c in zip(path, path[1:])) and (len(path), -n) > score:
             best, score = n, (len(path), -n)
     verdict = greedy_tree_verdict(argmax, tokens, tree).tolist()
-    assert verdict[0] == best and verdict[1:] == argmax.tolist()
+    assert verdict[0] == best and verdict[2 + tree.max_depth:] == argmax.tolist()
 
 
 @pytest.mark.parametrize("kind", ENGINES)

@@ -21,7 +21,7 @@ from sampling_reference import chi2_pvalue, exact_two_token_distribution
 from drafttrain.decoding.drafters.eagle3 import eagle3_decoder, Eagle3TreeDrafter
 from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
 from drafttrain.planning import accepted_within
-from drafttrain.trees import resolve_tree
+from drafttrain.trees import resolve_tree, tree_from_parents
 from tiny import greedy_reference, tiny_lm
 
 EOS = 2
@@ -52,6 +52,24 @@ def test_greedy_equals_generate(trained_pair, tree, engine, k):
             assert all(0 <= a <= m <= k for a, m in zip(gen.accepted_lengths, gen.proposed_lengths))
             accepted += sum(gen.accepted_lengths)
     assert accepted > 0  # drafts were really accepted: the accept/commit paths ran
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("tree", list(TREES))
+def test_greedy_equals_generate_on_gemma3(tree, engine):
+    """A Gemma-3 target (sliding and global layers, a 4-token window the prompts run past): the
+    aux hidden states come from its own layers on every engine, and verification stays exact."""
+    from eagle3_helpers import trained_pair
+
+    target, draft = trained_pair("gemma3")
+    decoder = ready(eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=3, tree=TREES[tree],
+                                  tree_nodes=12, tree_topk=3), engine)
+    accepted = []
+    for prompt in PROMPTS:
+        gen = decoder.generate(prompt, 24)
+        assert gen.tokens == greedy_reference(target, prompt, 24)
+        accepted += gen.accepted_lengths
+    assert max(accepted) > 0
 
 
 @pytest.mark.parametrize("tree", list(TREES))
@@ -120,6 +138,56 @@ def test_dynamic_tree_is_eagle2s_choice(trained_pair, depth, topk, nodes):
     assert all(p[:-1] in paths or len(p) == 1 for p in paths)  # prefix-closed
     # The draft's cache: the committed prefix plus one entry per expanded node (the next commit drops them).
     assert drafter.state.cache.length == len(sequence) - 1 + topk * (depth - 1)
+
+
+def host_dynamic_tree(target, draft, sequence, depth, topk, nodes):
+    """The tree EAGLE-2 verifies, built node by node on the host as drafttrain did before the
+    device tree: (tokens, parents) in its node order, the root first, then by depth and, within a
+    depth, by creation (frontier nodes in creation order, each one's children by rank)."""
+    features = draft.target_features(target_hidden_states(target, torch.tensor([sequence[:-1]])))
+    c = len(sequence)
+
+    def logprobs(path):
+        cache = Eagle3KVCache()
+        out = draft.prefill(cache, features, torch.tensor([sequence[1:]]), torch.arange(c - 1)[None])
+        for j, token in enumerate(path):
+            out = draft.step(cache, out.hidden[:, -1:], torch.tensor([[token]]), torch.tensor([[c - 1 + j]]))
+        return draft.to_target_logits(out.logits[0, -1]).log_softmax(-1)
+
+    made = []  # (path, ranks, score) in creation order
+    frontier = [((), (), 0.0)]
+    for d in range(1, depth + 1):
+        children = []
+        for path, ranks, score in frontier:
+            top = logprobs(path).topk(topk)
+            children += [(path + (t,), ranks + (r,), score + v)
+                         for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()))]
+        made += children
+        frontier = sorted(sorted(children, key=lambda c: -c[2])[:topk], key=lambda c: c[1])
+    chosen = sorted(made, key=lambda c: -c[2])[:nodes - 1]  # stable: ties keep creation order
+    chosen = sorted(chosen, key=lambda c: (len(c[0]), c[1]))
+    index = {(): 0, **{c[0]: i + 1 for i, c in enumerate(chosen)}}
+    return [sequence[-1]] + [c[0][-1] for c in chosen], [-1] + [index[c[0][:-1]] for c in chosen]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("depth,topk,nodes", [(3, 2, 7), (4, 3, 16)])
+def test_the_device_tree_is_the_host_tree_node_for_node(trained_pair, engine, depth, topk, nodes):
+    """Same tokens, same parents, same node order as the tree built node by node on the host,
+    on either engine (the static one grows it as one fixed-shape step)."""
+    target, draft = trained_pair
+    sequence = PROMPTS[2]
+    decoder = eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=depth, tree="dynamic",
+                             tree_nodes=nodes, tree_topk=topk)
+    drafter = decoder.drafter
+    hidden = target_hidden_states(target, torch.tensor([sequence[:-1]]))
+    drafter.reset(sequence, draft.target_features(hidden)[0])
+    with torch.no_grad():
+        tokens, tree = drafter.draft(torch.tensor([sequence[-1]]), depth)
+    want_tokens, want_parents = host_dynamic_tree(target, draft, sequence, depth, topk, nodes)
+    assert tokens.tolist() == want_tokens and tree.parent.tolist() == want_parents
+    reference = tree_from_parents(want_parents)
+    assert torch.equal(tree.depths, reference.depths) and torch.equal(tree.attention_mask, reference.attention_mask)
 
 
 # -- sampling -------------------------------------------------------------------------------------

@@ -32,8 +32,10 @@ class DraftModelProposer(Proposer):
     name = "draft"
 
     def __init__(self, model, target_vocab_size: int, temperature: float, top_p: float,
-                 generator: torch.Generator | None):
+                 generator: torch.Generator | None, num_draft_tokens: int = 1):
+        """`num_draft_tokens`: K, which bounds what the draft catches up with in one forward."""
         self.lm = as_cached_lm(model)
+        self.k = num_draft_tokens
         self.vocab = target_vocab_size
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.device = self.lm.device
@@ -47,7 +49,8 @@ class DraftModelProposer(Proposer):
 
     def warmup(self) -> float:
         # Pending is one token (the bonus) or two (the last draft + the bonus); drafts go one by one.
-        return self.lm.warmup([1, 2])
+        # Beside n-gram lookup (+ngram) a step may accept the lookup's branch: up to K + 1 tokens.
+        return self.lm.warmup([1, 2, self.k + 1])
 
     def propose(self, k, sequence):
         tokens, dists = [], []

@@ -25,12 +25,13 @@ from __future__ import annotations
 import torch
 
 from ...eagle3.model import DraftStep, Eagle3Draft
-from ...trees import Path, best_first, check_paths, static_tree, tree_from_parents
+from ...trees import Path, Tree, best_first, check_paths, static_tree, tree_from_parents
 from ..chain import ChainDecoder, Proposer
 from ..engines import StaticLM, as_cached_lm, device_tensor
 from ..tree import TreeDecoder, TreeDrafter
 from ..verify import probabilities, sample
 from .eagle3_cache import CachedEagle3Draft, as_cached_draft
+from .eagle3_tree import DynamicTree, candidate_count
 
 
 class Eagle3DraftCache:
@@ -55,7 +56,7 @@ class Eagle3DraftCache:
         return self.cache.length
 
     def reset(self, prompt: list[int], hidden: torch.Tensor | None) -> None:
-        self.cache.reset()
+        self.engine.reset()
         self.last = None
         if hidden is not None and len(prompt) > 1:
             self.feed(hidden, prompt[1:], start=0)
@@ -63,15 +64,12 @@ class Eagle3DraftCache:
     @torch.inference_mode()
     def feed(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
         """Entries for positions start.. from the target's features there and the tokens that follow."""
-        n = len(next_tokens)
-        tokens = device_tensor(next_tokens, self.device).view(1, n)
-        positions = torch.arange(start, start + n, device=self.device).view(1, n)
-        self.last = self.engine.prefill(hidden.view(1, n, -1), tokens, positions)
+        self.last = self.engine.feed(hidden, next_tokens, start)
         self.forwards += 1
 
     def commit(self, committed: int, hidden: torch.Tensor, next_tokens: list[int]) -> None:
         """After a verification: forget the drafted entries, feed the kept positions' features."""
-        self.cache.rollback(committed)
+        self.engine.rollback(committed)
         self.feed(hidden, next_tokens, start=committed)
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -103,8 +101,10 @@ class Eagle3Proposer(_OnTheDraftCache, Proposer):
     name = "eagle3"
 
     def __init__(self, draft: Eagle3Draft, device, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, max_k: int = 1):
+        """`max_k`: the K of the decoder (greedy chains are drafted K long, one shape, and cut)."""
         self.state = Eagle3DraftCache(draft, device)
+        self.max_k = max_k
         self.hidden_layers = self.state.hidden_layers
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.device = torch.device(device)
@@ -115,36 +115,37 @@ class Eagle3Proposer(_OnTheDraftCache, Proposer):
         last = self.state.last
         if last is None or k == 0:  # a one-token prompt: no feature to draft from yet
             return self.empty, None
+        if self.temperature == 0:  # K drafts in one go (one compiled step on the static engine), cut to k
+            return self.state.engine.greedy_chain(last, self.max_k)[:k], None
         draft = self.state.draft
         logits, hidden = last.logits[:, -1:], last.hidden[:, -1:]
         tokens, dists = [], []
         for j in range(k):
             target_logits = draft.to_target_logits(logits[0, -1])
-            if self.temperature == 0:
-                token = target_logits.argmax().view(1)
-            else:
-                q = probabilities(target_logits, self.temperature, self.top_p)
-                token = sample(q, self.generator).view(1)
-                dists.append(q)
+            q = probabilities(target_logits, self.temperature, self.top_p)
+            token = sample(q, self.generator).view(1)
+            dists.append(q)
             tokens.append(token)
             if j + 1 < k:  # the draft at position committed + j reads its own last output
                 position = torch.full((1, 1), self.committed + j, dtype=torch.long, device=self.device)
                 out = self.state.step(hidden, token.view(1, 1), position)
                 logits, hidden = out.logits, out.hidden
-        return torch.cat(tokens), (torch.stack(dists) if dists else None)
+        return torch.cat(tokens), torch.stack(dists)
 
     def commit(self, n_accepted, emitted, hidden=None):
         self.state.commit(self.committed, hidden, emitted)
         self.committed = self.state.length
 
     def warmup(self) -> float:
-        return self.state.engine.warmup([(1, 1)])  # every chain drafting step is one token
+        if self.temperature == 0:
+            return self.state.engine.warmup(chain=self.max_k)
+        return self.state.engine.warmup(levels=[(1, 1)])  # every sampled drafting step is one token
 
 
 class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
     """Greedy tree drafting: `paths` (a static tree, Medusa-style top-k choices per depth) or,
     with `paths=None`, EAGLE-2's dynamic tree of `nodes` nodes (root included), `depth` deep,
-    expanding the `topk` most likely nodes of each depth."""
+    expanding the `topk` most likely nodes of each depth, grown on the device (`eagle3_tree`)."""
 
     name = "eagle3"
 
@@ -159,14 +160,16 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
             self.max_depth, self.max_nodes, self.topk = self.buffers.max_depth, self.buffers.num_nodes, self.buffers.topk
             self.paths = list(self.buffers.paths)
         else:
-            if depth < 1 or topk < 1 or nodes < 2:
-                raise ValueError(f"a dynamic tree needs depth >= 1, topk >= 1 and nodes >= 2, got {depth}, {topk}, "
-                                 f"{nodes}")
+            vocab = self.state.draft.config.draft_vocab_size
+            if depth < 1 or not 1 <= topk <= vocab or nodes < 2:
+                raise ValueError(f"a dynamic tree needs depth >= 1, 1 <= topk <= the draft's vocabulary ({vocab}) "
+                                 f"and nodes >= 2, got {depth}, {topk}, {nodes}")
             self.buffers = None
             self.max_depth, self.topk = depth, topk
-            self.max_nodes = min(nodes, 1 + topk + (depth - 1) * topk * topk)  # what the expansion can produce
+            self.max_nodes = min(nodes, candidate_count(depth, topk))
         self.committed = 0
         self._ranked = None  # the last draft's candidates, for `candidates`
+        self._root_only = tree_from_parents([-1], self.device)  # built once: no copy in a step
 
     @property
     def kind(self) -> str:
@@ -177,10 +180,8 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         self.committed = self.state.length
 
     def level_shapes(self) -> list[tuple[int, int]]:
-        """(nodes expanded, tree entries so far) of each drafting forward of a full-depth pass:
-        the shapes the static engine compiles."""
-        if self.buffers is None:  # the dynamic tree expands `topk` nodes at every depth but the last
-            return [(self.topk, d * self.topk) for d in range(1, self.max_depth)]
+        """(nodes expanded, tree entries so far) of each drafting forward of a static tree's
+        full-depth pass: the shapes the static engine compiles."""
         depths, parents = self.buffers.depths.tolist(), self.buffers.parent.tolist()
         shapes, expanded = [], 0
         for d in range(1, self.max_depth):
@@ -191,17 +192,44 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         return shapes
 
     def warmup(self) -> float:
-        return self.state.engine.warmup(self.level_shapes())
+        if self.buffers is not None:  # a static tree's levels run as draft steps of these shapes
+            return self.state.engine.warmup(levels=self.level_shapes())
+        return self.state.engine.warmup(tree=dict(depth=self.max_depth, topk=self.topk, nodes=self.max_nodes))
 
     def draft(self, root, depth):
         last = self.state.last
         depth = min(depth, self.max_depth)
         self._ranked = ([], [], [], [])  # nothing drafted, until a tree is
         if last is None or depth == 0:
-            return root.reshape(1), tree_from_parents([-1], self.device)
+            return root.reshape(1), self._root_only
         if self.buffers is not None:
             return self._static(root, depth)
-        return self._dynamic(root, depth)
+        return self._dynamic(root)
+
+    def _dynamic(self, root):
+        """EAGLE-2's tree, always grown `max_depth` deep (one shape, one graph): a step that may go
+        less deep is cut by the verdict (`greedy_tree_verdict(depth=...)`)."""
+        grown = self.state.engine.dynamic_tree(self.state.last, root, depth=self.max_depth, topk=self.topk,
+                                               nodes=self.max_nodes)
+        self.state.forwards += self.max_depth - 1
+        self._ranked = grown
+        return grown.tokens, Tree(parent=grown.parent, depths=grown.depths, attention_mask=grown.mask,
+                                  max_depth=self.max_depth)
+
+    def candidates(self):
+        """Every node drafted, best first: EAGLE-2's rank (cumulative log-probability; a smaller
+        budget keeps the first ones), or a static tree's node order. Reads them on the host: for
+        planning runs only."""
+        if self._ranked is None:
+            return None
+        if isinstance(self._ranked, DynamicTree):
+            ranked, tokens, parents, depths = (t.tolist() for t in self._ranked[4:])
+        else:
+            ranked, tokens, parents, depths = self._ranked
+            tokens = torch.stack([tokens[n] for n in ranked]).tolist() if ranked else []
+            tokens = dict(zip(ranked, tokens))
+        rank = {n: i for i, n in enumerate(ranked)}
+        return [tokens[n] for n in ranked], [rank.get(parents[n], -1) for n in ranked], [depths[n] for n in ranked]
 
     def _expand(self, level: list[int], tokens: list[torch.Tensor], parents: list[int], expanded: list[int],
                 outputs: dict[int, DraftStep], hidden_of: dict[int, torch.Tensor], depth_of_level: int) -> None:
@@ -209,7 +237,6 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         parent's output hidden state and sees the committed prefix, its expanded ancestors and
         itself. Fills outputs[node] with its logits and hidden state."""
         n = len(level)
-        before = len(expanded)
         expanded.extend(level)
         slot = {node: i for i, node in enumerate(expanded)}
         mask = torch.zeros(n, len(expanded), dtype=torch.bool)
@@ -226,7 +253,6 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         for row, node in enumerate(level):
             outputs[node] = DraftStep(step.logits[:, row:row + 1], step.hidden[:, row:row + 1])
             hidden_of[node] = step.hidden[:, row:row + 1]
-        assert len(expanded) - before == n
 
     def _static(self, root, depth):
         """The static tree cut to `depth`: depth d's nodes take the top-k ranks of their parent's output."""
@@ -258,56 +284,6 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         self._ranked = (ranked, tokens, tree.parents, [depths[n] for n in keep])
         return torch.stack(tokens), tree
 
-    def candidates(self):
-        """Every node drafted, best first: EAGLE-2's rank (cumulative log-probability; a smaller
-        budget keeps the first ones), or a static tree's node order."""
-        if self._ranked is None:
-            return None
-        ranked, tokens, parents, depths = self._ranked
-        values = torch.stack([tokens[n] for n in ranked]).tolist() if ranked else []
-        rank = {n: i for i, n in enumerate(ranked)}
-        return values, [rank.get(parents[n], -1) for n in ranked], [depths[n] for n in ranked]
-
-    def _dynamic(self, root, depth):
-        """EAGLE-2: grow by cumulative draft log-probability, keep the most likely `nodes - 1`."""
-        draft = self.state.draft
-        tokens: list[torch.Tensor] = [root.reshape(())]
-        parents, scores, depths = [-1], [0.0], [0]
-        outputs = {0: self.state.last}
-        hidden_of = {0: self.state.last.hidden[:, -1:]}
-        expanded: list[int] = []
-        frontier = [0]
-        k = self.topk
-        for d in range(1, depth + 1):
-            logprobs = torch.stack([draft.to_target_logits(outputs[node].logits[0, -1]).float().log_softmax(-1)
-                                    for node in frontier])                         # [F, V]
-            top = logprobs.topk(k, dim=-1)
-            cumulative = torch.tensor([scores[node] for node in frontier], device=top.values.device)[:, None]
-            cand = (cumulative + top.values).flatten()                              # [F * k]
-            values = cand.tolist()  # the tree's shape depends on these: one sync per depth
-            children = []
-            for i, score in enumerate(values):
-                parent = frontier[i // k]
-                tokens.append(top.indices[i // k, i % k])
-                parents.append(parent)
-                scores.append(score)
-                depths.append(d)
-                children.append(len(tokens) - 1)
-            if d == depth:
-                break
-            frontier = sorted(children, key=lambda n: (-scores[n], n))[:k]
-            self._expand(sorted(frontier), tokens, parents, expanded, outputs, hidden_of, d)
-            frontier = sorted(frontier)
-        # The nodes - 1 most likely candidates (ties: shallower first, then earlier), in an order
-        # where parents precede children: by depth, then by creation.
-        ranked = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n], n))
-        self._ranked = (ranked, tokens, parents, depths)
-        chosen = ranked[:self.max_nodes - 1]
-        chosen = sorted(chosen, key=lambda n: (depths[n], n))
-        index = {0: 0, **{node: i + 1 for i, node in enumerate(chosen)}}
-        tree = tree_from_parents([-1] + [index[parents[n]] for n in chosen], self.device)
-        return torch.stack([tokens[0]] + [tokens[n] for n in chosen]), tree
-
 
 def eagle3_decoder(target, draft: Eagle3Draft, *, num_draft_tokens: int, tree: str | list[Path] = "chain",
                   tree_nodes: int = 32, tree_topk: int = 4, temperature: float = 0.0, top_p: float = 1.0,
@@ -321,7 +297,7 @@ def eagle3_decoder(target, draft: Eagle3Draft, *, num_draft_tokens: int, tree: s
         draft = cached_draft_for(lm, draft, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
                                  tree_topk=tree_topk)
     if temperature > 0 or tree == "chain":
-        proposer = Eagle3Proposer(draft, lm.device, temperature, top_p, generator)
+        proposer = Eagle3Proposer(draft, lm.device, temperature, top_p, generator, max_k=num_draft_tokens)
         return ChainDecoder(lm, proposer, num_draft_tokens=num_draft_tokens, temperature=temperature,
                                   top_p=top_p, eos_token_ids=eos_token_ids, generator=generator,
                                   record_margins=record_margins)
@@ -338,9 +314,9 @@ def cached_draft_for(target_lm, draft: Eagle3Draft, *, num_draft_tokens: int, tr
     room for the target's cache plus the most entries one drafting pass adds (a bound for any tree)."""
     if not isinstance(target_lm, StaticLM):
         return CachedEagle3Draft(draft)
-    extra = num_draft_tokens + max(tree_nodes, 0) + num_draft_tokens * max(tree_topk, 0)
-    return CachedEagle3Draft(draft, "static", capacity=target_lm.capacity + extra,
-                        compile=target_lm.compile if compile is None else compile)
+    extra = num_draft_tokens + 1 + max(tree_nodes, 0) + num_draft_tokens * max(tree_topk, 0)
+    return CachedEagle3Draft(draft, "static", capacity=target_lm.capacity + extra, feed_width=num_draft_tokens + 1,
+                             compile=target_lm.compile if compile is None else compile)
 
 
 __all__ = ["eagle3_decoder", "Eagle3Proposer", "Eagle3DraftCache", "Eagle3TreeDrafter", "cached_draft_for"]

@@ -3,11 +3,11 @@
 The draft's cache mirrors the target's (one entry per cached target position), so it lives on
 the same kind of engine as the target's cached LM:
 - eager: `Eagle3KVCache`, grown by concatenation; every step runs as written.
-- static: `Eagle3StaticCache`, preallocated, written in place. Drafting steps (one token of a
-  chain, one level of a tree) run `Eagle3Draft.step_in_place`, where every length is a tensor:
-  with `compile` (default on CUDA) each (new nodes, tree width) shape is one `CompiledStep`, as
-  the target's static steps are. Feeding the target's features after a verification (a variable
-  count) runs uncompiled.
+- static: `Eagle3StaticCache`, preallocated, written in place, every length a tensor
+  (`Eagle3Draft.step_in_place`). Three fixed-shape steps, each one `CompiledStep` with `compile`
+  (default on CUDA): a chain's drafting step (one token), the feed of the target's features after
+  a verification (padded to K + 1 entries; the count a tensor) and EAGLE-2's whole dynamic tree
+  (`grow_dynamic_tree`: every depth in one graph). The prompt's features are fed uncompiled.
 
 One cached draft per run, shared by every decoder of that run (only one decodes at a time), so
 each shape compiles once; `compile_seconds` is reported apart from decoding time.
@@ -24,6 +24,7 @@ from torch import nn
 from ...eagle3.model import DraftStep, Eagle3Config, Eagle3Draft
 from ..engines import device_tensor, synchronize, use_skinny_matmuls
 from ..engines.compiled import WARMUP_RUNS, CompiledStep
+from .eagle3_tree import DynamicTree, grow_dynamic_tree
 
 
 class Eagle3KVCache:
@@ -112,12 +113,13 @@ class Eagle3StaticCache(nn.Module):
 
 class CachedEagle3Draft:
     """An EAGLE-3 draft bound to its own KV cache on an engine (eager or static), as a `CachedLM`
-    binds a model to its cache."""
+    binds a model to its cache. `feed_width`: the most entries one feed after a verification
+    writes (K + 1), the padded width of the static engine's compiled feed."""
 
     def __init__(self, draft: Eagle3Draft, engine: str = "eager", *, capacity: int | None = None,
-                 compile: bool | None = None):
+                 compile: bool | None = None, feed_width: int = 0):
         """`capacity` (static): the most entries the draft's cache holds: the target's cache
-        capacity plus the most tree nodes one drafting pass adds. `compile` None: on for CUDA."""
+        capacity plus the most one drafting pass adds. `compile` None: on for CUDA."""
         if engine not in ("eager", "static"):
             raise ValueError(f"unknown draft engine {engine!r}; use eager or static")
         self.draft = draft
@@ -131,12 +133,53 @@ class CachedEagle3Draft:
         else:
             self.cache = Eagle3KVCache()
         self.compile = engine == "static" and (self.device.type == "cuda" if compile is None else bool(compile))
+        self.feed_width = feed_width
         self.compile_seconds = 0.0
-        self._compiled = None
+        self.meta: torch.Tensor | None = None  # static: [feed tokens..., start, count] of the last feed
+        self._compiled: dict[str, CompiledStep] = {}
         self._one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        torch._dynamo.mark_static_address(self._one)  # a constant: compiled steps read it in place
 
-    def prefill(self, features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor) -> DraftStep:
-        return self.draft.prefill(self.cache, features, next_tokens, positions)
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.meta = None
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+    def _fn(self, name: str, fn):
+        """`fn` as this draft runs it: compiled once (static + compile), else as written."""
+        if not self.compile:
+            return fn
+        if name not in self._compiled:
+            self._compiled[name] = CompiledStep(fn, self.device)
+        return self._compiled[name]
+
+    def _padded(self) -> bool:
+        return self.engine == "static" and self.feed_width > 0
+
+    def feed(self, features: torch.Tensor, next_tokens: list[int], start: int) -> DraftStep:
+        """Entries for positions start.. from the target's features there ([n, 3H]) and the tokens
+        that follow; returns the draft's output at the last one. On the static engine a feed of
+        at most `feed_width` entries is one fixed-shape step (padding written past the end, never
+        read); the prompt's longer feed runs as written."""
+        n = len(next_tokens)
+        if not self._padded() or n > self.feed_width:
+            out = self.draft.prefill(self.cache, features.view(1, n, -1), device_tensor(next_tokens, self.device).view(1, n),
+                                     torch.arange(start, start + n, device=self.device).view(1, n))
+            self.meta = device_tensor([0] * self.feed_width + [0, self.cache.length], self.device)
+            return DraftStep(out.logits[:, -1:], out.hidden[:, -1:])
+        width = self.feed_width
+        self.cache.check_room(width)
+        self.meta = device_tensor(list(next_tokens) + [0] * (width - n) + [start, n], self.device)
+        features = torch.nn.functional.pad(features, (0, 0, 0, width - n)).view(1, width, -1)
+        logits, hidden = self._fn("feed", functools.partial(feed_in_place, self.draft, self.cache))(features, self.meta)
+        self.cache.length = start + n
+        return DraftStep(logits, hidden)
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              tree_mask: torch.Tensor | None = None) -> DraftStep:
@@ -152,44 +195,131 @@ class CachedEagle3Draft:
             raise ValueError(f"tree_mask covers {m} entries; it needs the {n} new nodes and at most the "
                              f"{cache.length + n} cached")
         tree_start = device_tensor(cache.length + n - m, self.device)  # 0-d, without a host sync
-        if self.compile:
-            with torch.inference_mode():  # guards check strides and inference-ness: hand in fresh, standard inputs
-                inputs = [t.clone(memory_format=torch.contiguous_format)
-                          for t in (hidden, tokens, positions, tree_start, mask)]
-                logits, hidden = self._step_fn()(*inputs)
-        else:
-            logits, hidden = self.draft.step_in_place(cache, hidden, tokens, positions, tree_start, mask)
+        step = self._fn("step", functools.partial(self.draft.step_in_place, cache))
+        logits, hidden = step(hidden, tokens, positions, tree_start, mask)
         cache.length += n
         return DraftStep(logits, hidden)
 
-    def _step_fn(self) -> CompiledStep:
-        if self._compiled is None:
-            self._compiled = CompiledStep(functools.partial(self.draft.step_in_place, self.cache), self.device)
-        return self._compiled
+    def dynamic_tree(self, last: DraftStep, root: torch.Tensor, *, depth: int, topk: int, nodes: int) -> DynamicTree:
+        """EAGLE-2's tree from the draft's output at the last committed entry (`last`) below the
+        pending token `root` [1] (`grow_dynamic_tree`). The drafted levels are scratch entries
+        past the committed ones: the next feed overwrites them (static) or a rollback drops them."""
+        shape = dict(depth=depth, topk=topk, nodes=nodes)
+        if not self._padded():
+            committed = self.cache.length
+            return grow_dynamic_tree(self.draft, functools.partial(_eager_level, self, committed),
+                                     last.logits[0, -1:], last.hidden[0, -1:], root, **shape)
+        self.cache.check_room((depth - 1) * topk)
+        grow = self._fn(f"tree{depth},{topk},{nodes}",
+                        functools.partial(tree_in_place, self.draft, self.cache, **shape))
+        return grow(last.logits[0, -1:], last.hidden[0, -1:], root.view(1), self.meta)
+
+    def greedy_chain(self, last: DraftStep, k: int) -> torch.Tensor:
+        """K greedy drafts [k] from the draft's output at the last committed entry: one compiled step
+        on the static engine; the drafted entries are scratch past the committed ones."""
+        if not self._padded():
+            committed = self.cache.length
+            return greedy_chain(self.draft, functools.partial(_eager_chain_step, self, committed),
+                                last.logits[0, -1:], last.hidden[0, -1:], k)
+        self.cache.check_room(k)
+        chain = self._fn(f"chain{k}", functools.partial(chain_in_place, self.draft, self.cache, k=k))
+        return chain(last.logits[0, -1:], last.hidden[0, -1:], self.meta)
 
     @torch.inference_mode()
-    def warmup(self, shapes) -> float:
-        """Compile and capture the drafting steps of these (n, m) shapes (three runs each: CUDA
-        graph trees warm up, record, replay), so no timed step compiles. Leaves the cache empty."""
+    def warmup(self, levels=(), tree: dict | None = None, chain: int = 0) -> float:
+        """Compile and capture the steps a decoder will run (three runs each: CUDA graph trees warm
+        up, record, replay): the feed, drafting steps of these (n new, m tree entries) shapes (a
+        chain's is (1, 1)) and the dynamic tree of `tree` (depth, topk, nodes), so no timed step
+        compiles; `chain`: the K of greedy chains. Leaves the cache empty."""
         if not self.compile:
             return 0.0
         start = time.perf_counter()
-        hidden_size = self.draft.config.hidden_size
-        for n, m in sorted(set(shapes)):
-            if m + 1 > self.cache.capacity:
-                continue
-            for _ in range(WARMUP_RUNS):
+        H, dtype, width = self.draft.config.hidden_size, self.draft.fc.weight.dtype, self.feed_width
+        zeros = functools.partial(torch.zeros, device=self.device)
+        for _ in range(WARMUP_RUNS):
+            self.cache.length = 1
+            last = self.feed(zeros(width, 3 * H, dtype=dtype), [0] * width, 1) if width else None
+            for n, m in levels:
                 self.cache.length = 1 + m - n  # a committed entry, then the tree's older nodes
-                hidden = torch.zeros(1, n, hidden_size, dtype=self.draft.fc.weight.dtype, device=self.device)
-                tokens = torch.zeros(1, n, dtype=torch.long, device=self.device)
-                positions = torch.zeros(1, n, dtype=torch.long, device=self.device)
-                mask = torch.ones(n, m, dtype=torch.bool, device=self.device)
-                self.step(hidden, tokens, positions, None if (n, m) == (1, 1) else mask)
-        self.cache.reset()
+                mask = None if (n, m) == (1, 1) else torch.ones(n, m, dtype=torch.bool, device=self.device)
+                self.step(zeros(1, n, H, dtype=dtype), zeros(1, n, dtype=torch.long), zeros(1, n, dtype=torch.long), mask)
+            self.cache.length = 1 + width
+            if tree and last is not None:
+                self.dynamic_tree(last, zeros(1, dtype=torch.long), **tree)
+            if chain and last is not None:
+                self.greedy_chain(last, chain)
+        self.reset()
         synchronize(self.device)
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         return seconds
+
+
+def feed_in_place(draft: Eagle3Draft, cache: Eagle3StaticCache, features: torch.Tensor, meta: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The feed as one fixed-shape step: `features` [1, W, 3H] (padded), `meta` [W + 2]: the W
+    tokens that follow, the first entry's slot (its position too) and the real count n. The
+    padding rows are written past the n real ones and never read. Returns the output at the n-th."""
+    width = features.shape[1]
+    tokens, start, n = meta[:width].view(1, width), meta[width], meta[width + 1]
+    positions = (start + torch.arange(width, device=meta.device)).view(1, width)
+    causal = torch.ones(width, width, dtype=torch.bool, device=meta.device).tril()
+    logits, hidden = draft.step_in_place(cache, draft.fc(features.to(draft.fc.weight.dtype)), tokens, positions,
+                                         start, causal)
+    last = (n - 1).view(1)
+    return logits.index_select(1, last), hidden.index_select(1, last)
+
+
+def tree_in_place(draft: Eagle3Draft, cache: Eagle3StaticCache, logits, hidden, root, meta, *, depth: int,
+                  topk: int, nodes: int) -> DynamicTree:
+    """`grow_dynamic_tree` on the static cache as one fixed-shape step: the levels' entries go
+    after the committed ones, whose count the last feed's `meta` holds (start + count)."""
+    width = meta.shape[0] - 2
+    start = meta[width] + meta[width + 1]
+
+    def level(d, h, tokens, mask):
+        positions = (start + d - 1).expand(1, tokens.shape[1])
+        return draft.step_in_place(cache, h, tokens, positions, start, mask)
+
+    return grow_dynamic_tree(draft, level, logits, hidden, root, depth=depth, topk=topk, nodes=nodes)
+
+
+def chain_in_place(draft: Eagle3Draft, cache: Eagle3StaticCache, logits, hidden, meta, *, k: int) -> torch.Tensor:
+    """`greedy_chain` on the static cache as one fixed-shape step (entries after the committed
+    ones, whose count the last feed's `meta` holds)."""
+    width = meta.shape[0] - 2
+    start = meta[width] + meta[width + 1]
+    one = torch.ones(1, 1, dtype=torch.bool, device=meta.device)
+
+    def step(j, h, token):
+        return draft.step_in_place(cache, h, token, (start + j).view(1, 1), start + j, one)
+
+    return greedy_chain(draft, step, logits, hidden, k)
+
+
+def greedy_chain(draft: Eagle3Draft, step, logits: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """K greedy drafts: each the draft's argmax (draft ids ascend with target ids, so it is the
+    argmax over the target's vocabulary too), mapped to the target's id and fed back with the
+    draft's own hidden state: `step(j, hidden [1, 1, H], token [1, 1])` at position committed + j."""
+    tokens = []
+    for j in range(k):
+        token = draft.to_target_ids(logits.argmax(dim=-1))
+        tokens.append(token)
+        if j + 1 < k:
+            out_logits, out_hidden = step(j, hidden.view(1, 1, -1), token.view(1, 1))
+            logits, hidden = out_logits[0], out_hidden[0]
+    return torch.cat(tokens)
+
+
+def _eager_chain_step(cached: CachedEagle3Draft, committed: int, j: int, hidden, token):
+    positions = torch.full((1, 1), committed + j, dtype=torch.long, device=token.device)
+    return cached.draft.step(cached.cache, hidden, token, positions)
+
+
+def _eager_level(cached: CachedEagle3Draft, committed: int, d: int, hidden, tokens, mask):
+    """One level of the dynamic tree on an eager (growing) cache, at position committed + d - 1."""
+    positions = torch.full(tokens.shape, committed + d - 1, dtype=torch.long, device=tokens.device)
+    return cached.draft.step(cached.cache, hidden, tokens, positions, tree_mask=mask)
 
 
 def as_cached_draft(draft) -> CachedEagle3Draft:

@@ -4,7 +4,7 @@ branch of the model's tree, in the SAME target pass.
 Each step the model drafts as it would alone (a draft LM's chain, sequential or parallel; an
 EAGLE-3 draft's chain, static tree or EAGLE-2 dynamic tree; Medusa heads' static tree) and the
 n-gram continuation of the text so far (`ngram_lookup`, as deep as the step may go) is hung from
-the root, sharing the model's nodes where it agrees with them (`merge_chain`). So a step verifies
+the root, sharing the model's nodes where it agrees with them (`hang_lookup`, on the device). So a step verifies
 at most K nodes more than the model alone, and none where the lookup finds nothing (most steps of
 fresh text) or copies what the model drafted. The target accepts the longest path it agrees
 with, so a step keeps whichever branch goes further: the model's where text is new, the n-gram's
@@ -23,32 +23,44 @@ from __future__ import annotations
 
 import torch
 
-from ...trees import Tree, chain, tree_from_parents
+from ...trees import Tree, chain, path_nodes
 from ..chain import ChainDecoder, Proposer
 from ..engines import device_tensor
 from ..tree import TreeDecoder, TreeDrafter
 from .ngram import ngram_lookup
 
 
-def merge_chain(tokens: list[int], parents: list[int], lookup: list[int]) -> tuple[list[int], list[int]]:
-    """(tokens, parents) of a tree (node 0 the root, whose token is not read; parents precede
-    children) with the chain `lookup` hung from the root: it walks down the tree while a child
-    holds its next token, and its rest becomes a chain below the last node it shared. The tree's
-    nodes keep their indices, the new ones come after them: the result is prefix-closed, its
-    parents precede their children, and it holds every root-to-node path of both."""
-    children: dict[tuple[int, int], int] = {}
-    for node in range(1, len(parents)):
-        children.setdefault((parents[node], tokens[node]), node)  # twin siblings: the first, as the verdict's ties
-    node, shared = 0, 0
-    while shared < len(lookup) and (node, lookup[shared]) in children:
-        node = children[node, lookup[shared]]
-        shared += 1
-    tokens, parents = list(tokens), list(parents)
-    for token in lookup[shared:]:
-        tokens.append(token)
-        parents.append(node)
-        node = len(tokens) - 1
-    return tokens, parents
+def hang_lookup(tokens: torch.Tensor, tree: Tree, lookup: list[int]) -> tuple[torch.Tensor, Tree, torch.Tensor]:
+    """`tree` (its `tokens` [N] on the device, node 0 the root) with the chain `lookup` hung from
+    the root, built on the device: no host sync, whatever the model drafted.
+
+    The lookup walks down the tree while a node holds its next token (the deepest node whose path
+    equals a prefix of the lookup; ties: the lowest index), and its rest becomes a chain below that
+    node. A fixed L = len(lookup) nodes are appended after the tree's, which keep their indices:
+    node N + i holds lookup[i] at depth i + 1, below the previous lookup node, or, where the walk
+    shared that token, as a twin of the tree's own node (same parent, same token, no children).
+    A twin is accepted exactly when its elder is, and the verdict prefers the lower index, so it is
+    never the path kept: the merged tree verifies every path of both, each kept once. Returns the
+    tokens [N + L], the tree, and how many nodes the lookup really added (0-d, L - shared)."""
+    n, length, device = tokens.numel(), len(lookup), tokens.device
+    if not length:
+        return tokens, tree, torch.zeros((), dtype=torch.long, device=device)
+    look = device_tensor(lookup, device)
+    depths = tree.depths
+    matches = (depths == 0) | ((depths <= length) & (tokens == look[(depths - 1).clamp(0, length - 1)]))
+    walked = ~(tree.attention_mask & ~matches[None, :]).any(dim=1)
+    order = torch.arange(n, device=device)
+    shared = torch.where(walked, depths * n + (n - 1 - order), -1).argmax()
+    path, depth = path_nodes(tree, shared), depths.index_select(0, shared.view(1))[0]  # no .item()
+    i = torch.arange(length, device=device)
+    parent = torch.where(i <= depth, path[i.clamp(max=tree.max_depth)], n + i - 1)
+    above = tree.attention_mask.index_select(0, path[torch.minimum(i, depth).clamp(max=tree.max_depth)])
+    own = (i[None, :] <= i[:, None]) & ((i[None, :] >= depth) | (i[None, :] == i[:, None]))
+    mask = torch.cat([torch.cat([tree.attention_mask, own.new_zeros(n, length)], dim=1),
+                      torch.cat([above, own], dim=1)])
+    merged = Tree(parent=torch.cat([tree.parent, parent]), depths=torch.cat([depths, i + 1]), attention_mask=mask,
+                  max_depth=max(tree.max_depth, length))
+    return torch.cat([tokens, look]), merged, length - depth
 
 
 class ChainAsTree(TreeDrafter):
@@ -63,7 +75,7 @@ class ChainAsTree(TreeDrafter):
         self.max_depth, self.max_nodes = k, k + 1
         self.sequence: list[int] = []  # what `propose` reads: the text so far
         self._nodes = 1                # nodes of the last draft, the root included
-        self._chains: dict[int, Tree] = {}
+        self._chains = [chain(n, self.device) for n in range(1, k + 2)]  # built once: no copy in a step
 
     @property
     def forwards(self) -> int:
@@ -79,9 +91,7 @@ class ChainAsTree(TreeDrafter):
     def draft(self, root, depth):
         drafts = self.proposer.propose(depth, self.sequence)[0] if depth else root.reshape(1)[:0]
         self._nodes = 1 + drafts.numel()
-        if self._nodes not in self._chains:
-            self._chains[self._nodes] = chain(self._nodes, self.device)
-        return torch.cat([root.reshape(1), drafts]), self._chains[self._nodes]
+        return torch.cat([root.reshape(1), drafts]), self._chains[self._nodes - 1]
 
     def commit(self, nodes, accepted, bonus, hidden=None):
         """The proposer keeps its drafts up to the path's last node below `_nodes` (its own: a tree
@@ -104,7 +114,12 @@ class HybridDrafter(TreeDrafter):
         self.max_depth, self.max_nodes, self.paths = model.max_depth, model.max_nodes + model.max_depth, None
         self.sequence: list[int] = []
         self.last_lookup: list[int] = []  # the last step's n-gram continuation (before merging)
-        self.lookup_nodes = 0             # nodes the lookup added beyond the model's own, all steps
+        self._added = torch.zeros((), dtype=torch.long, device=self.device)  # lookup nodes beyond the model's
+
+    @property
+    def lookup_nodes(self) -> int:
+        """Nodes the lookup added beyond the model's own, all steps (read on the host: a sync)."""
+        return int(self._added)
 
     @property
     def forwards(self) -> int:
@@ -124,15 +139,11 @@ class HybridDrafter(TreeDrafter):
     def draft(self, root, depth):
         tokens, tree = self.model.draft(root, depth)
         self.last_lookup = ngram_lookup(self.sequence, depth, self.max_ngram)
-        if not self.last_lookup:  # the model's tree as it is, without reading its tokens (a host sync)
+        if not self.last_lookup:  # most steps of fresh text: the model's tree as it is
             return tokens, tree
-        merged, parents = merge_chain(tokens.tolist(), tree.parents, self.last_lookup)
-        added = len(merged) - tokens.numel()
-        self.lookup_nodes += added
-        if not added:
-            return tokens, tree
-        return (torch.cat([tokens, device_tensor(merged[-added:], self.device)]),
-                tree_from_parents(parents, self.device))
+        tokens, tree, added = hang_lookup(tokens, tree, self.last_lookup)
+        self._added += added
+        return tokens, tree
 
     def commit(self, nodes, accepted, bonus, hidden=None):
         self.model.commit(nodes, accepted, bonus, hidden=hidden)
@@ -150,4 +161,4 @@ def hybrid_decoder(decoder: ChainDecoder | TreeDecoder, max_ngram: int = 3) -> T
                        eos_token_ids=decoder.eos, record_margins=decoder.record_margins)
 
 
-__all__ = ["ChainAsTree", "HybridDrafter", "hybrid_decoder", "merge_chain"]
+__all__ = ["ChainAsTree", "HybridDrafter", "hang_lookup", "hybrid_decoder"]

@@ -40,19 +40,16 @@ def tree_candidates(root_token, head_topk_tokens: torch.Tensor, tree: StaticTree
     if num_heads < tree.max_depth or k < tree.topk:
         raise ValueError(f"the tree needs top-{tree.topk} tokens from {tree.max_depth} heads, "
                          f"got top-{k} from {num_heads}")
-    heads = tree.head_index.to(head_topk_tokens.device)
-    ranks = tree.topk_index.to(head_topk_tokens.device)
     root = torch.as_tensor(root_token, device=head_topk_tokens.device).reshape(1)
-    return torch.cat([root, head_topk_tokens[heads[1:], ranks[1:]]])
+    return torch.cat([root, head_topk_tokens[tree.head_index[1:], tree.topk_index[1:]]])
 
 
 def head_logits(heads: MedusaHeads, hidden: torch.Tensor, num: int, device) -> torch.Tensor:
-    """Logits [num, V] of the first `num` heads at one position (hidden [H])."""
-    weight = heads.lm_heads[0].weight
-    hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+    """Logits [num, V] of the first `num` heads at one position (hidden [H], on the heads' device,
+    the target's: no copy in a decode step)."""
+    hidden = hidden.to(heads.lm_heads[0].weight.dtype)
     with torch.inference_mode():
-        logits = torch.stack([heads.forward_head(i, hidden) for i in range(num)])
-    return logits.to(device)
+        return torch.stack([heads.forward_head(i, hidden) for i in range(num)])
 
 
 class MedusaDrafter(TreeDrafter):
@@ -72,15 +69,13 @@ class MedusaDrafter(TreeDrafter):
         self.hidden_layers = (num_layers,)
         self.device = torch.device(device)
         self.hidden = None  # the target's last hidden state at the last cached position
-        self._trees: dict[int, StaticTree] = {}  # depth-limited trees, on the device
+        # the tree cut to each depth (prefix-closed), on the device before the first step, so no step
+        # drafts past max_new_tokens nor copies a tree over
+        self._trees = [static_tree([p for p in buffers.paths if len(p) <= depth]).to(self.device)
+                       for depth in range(buffers.max_depth + 1)]
 
     def _tree(self, depth: int) -> StaticTree:
-        """The tree cut to `depth` (prefix-closed), so no step drafts past max_new_tokens."""
-        depth = min(depth, self.buffers.max_depth)
-        if depth not in self._trees:
-            paths = [p for p in self.buffers.paths if len(p) <= depth]
-            self._trees[depth] = static_tree(paths).to(self.device)
-        return self._trees[depth]
+        return self._trees[min(depth, self.buffers.max_depth)]
 
     def reset(self, prompt, hidden=None):
         self.hidden = hidden[-1] if hidden is not None and len(hidden) else None

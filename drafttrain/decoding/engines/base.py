@@ -59,8 +59,10 @@ class CachedLM:
         """Keep only the first `length` cached tokens."""
         raise NotImplementedError
 
-    def compact(self, past_len: int, nodes) -> None:
+    def compact(self, past_len: int, nodes, path: torch.Tensor | None = None) -> None:
         """After a tree forward at `past_len`: keep the prefix and the given nodes' entries, in order.
+        `path`: the same nodes on the device, padded by repeating the last (the verdict's), so an
+        engine can move them with fixed-size gathers instead of copying host indices over.
 
         Afterwards the cache equals one built by decoding the kept nodes' tokens one by one
         (node i's entry was at slot past_len + i, its position past_len + depth: a root-to-node
@@ -97,7 +99,7 @@ def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.long)
     """Host values -> device tensor without a host sync: a pinned staging copy on CUDA (a plain
     `torch.tensor(..., device="cuda")` waits for the GPU to drain first)."""
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 

@@ -1,21 +1,36 @@
 """Compiled steps: the one place where drafttrain's compile choices are made.
 
-Every compiled step (the target's static steps and cache compaction, the EAGLE-3 draft's
-drafting steps, batched generation) is a function of fixed-shape tensors compiled once per shape
-with `torch.compile(fullgraph=True, dynamic=False)`; on CUDA with `mode="reduce-overhead"`, so
-each shape is captured as a CUDA graph. Lengths, positions and masks are tensor inputs, never
+Every compiled step (the target's static steps and cache compaction, the EAGLE-3 draft's feed
+and tree drafting, batched generation) is a function of fixed-shape tensors compiled once per
+shape with `torch.compile(fullgraph=True, dynamic=False)`; on CUDA with `mode="reduce-overhead"`,
+so each shape is captured as a CUDA graph. Lengths, positions and masks are tensor inputs, never
 Python ints inside the graph, or every new length would recompile.
 
-A CUDA graph writes its outputs into the same buffers at every replay, so a caller must mark each
-step's beginning and copy what it keeps before the next replay: `CompiledStep.__call__` does both.
+Inputs are copied into the step's own buffers (one set per input signature; tensors marked as
+static addresses, such as constant masks, are read in place): the graph always
+sees the same addresses, strides and inference-ness, so no guard fails on a caller's layout and
+a CUDA graph reads them in place; the step runs under `no_grad`, whatever the caller's mode. CUDA graph trees share one memory pool across graphs, so an
+output is only safe to keep past the next compiled call once copied: on CUDA the outputs are
+cloned (small: tokens, a tree, one step's logits); on the CPU they are returned as they are.
 Warming up runs a shape three times: CUDA graph trees warm up, record, then replay.
+
+Compiled artifacts are kept on disk under `$DRAFTTRAIN_HOME/compile/<torch>/<device>` (inductor's
+FX graph and autotuning caches), so a second identical run on this machine skips code
+generation; `compile_cache_state` says whether this process's compiles were served from it.
+`DRAFTTRAIN_COMPILE_BACKEND=eager` traces with dynamo (guards, recompiles, fullgraph checks)
+without generating code: what the CPU tests use to prove shapes are stable.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .overhead import paused
+
 WARMUP_RUNS = 3
+BACKEND_VARIABLE = "DRAFTTRAIN_COMPILE_BACKEND"
 
 
 def raise_compile_limits() -> None:
@@ -26,6 +41,38 @@ def raise_compile_limits() -> None:
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
 
 
+def compile_cache_dir(device) -> str:
+    """Where this machine keeps compiled steps: keyed by torch version and device name, since
+    neither kernels nor autotuning carry over between them."""
+    from ...home import drafttrain_home
+
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = "".join(c if c.isalnum() or c in "._-" else "_" for c in f"torch-{torch.__version__}/{name}")
+    return str(drafttrain_home() / "compile" / key)
+
+
+def use_compile_cache(device) -> None:
+    """Inductor's caches under `$DRAFTTRAIN_HOME`, unless the user chose TORCHINDUCTOR_CACHE_DIR
+    (inductor writes its own default, a temporary directory, into the variable once it has used it)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(device)
+
+
+def compile_cache_state(compile_seconds: float) -> str:
+    """"off" (nothing compiled), "warm" (every graph this process generated came from the disk
+    cache) or "cold"."""
+    if compile_seconds <= 0 or os.environ.get(BACKEND_VARIABLE, "inductor") != "inductor":
+        return "off"
+    from torch._dynamo.utils import counters
+
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return "warm" if hits and not misses else "cold"
+
+
 def _clone(out):
     if isinstance(out, torch.Tensor):
         return out.clone()
@@ -34,20 +81,53 @@ def _clone(out):
     return out
 
 
+def _static(arg) -> bool:
+    """A tensor at a fixed address already (a cache, a constant mask): read in place."""
+    return hasattr(arg, "_dynamo_static_input_type")
+
+
+def _signature(args) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
+
+
 class CompiledStep:
     """`fn` compiled for fixed shapes on `device` (CUDA graphs on CUDA); calls return outputs
     that stay valid after the next call."""
 
     def __init__(self, fn, device: torch.device):
+        use_compile_cache(device)
         raise_compile_limits()
-        self.cudagraphs = torch.device(device).type == "cuda"
-        self.fn = torch.compile(fn, fullgraph=True, dynamic=False,
+        self.device = torch.device(device)
+        self.cudagraphs = self.device.type == "cuda"
+        self.fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=os.environ.get(BACKEND_VARIABLE, "inductor"),
                                 mode="reduce-overhead" if self.cudagraphs else None)
+        self._buffers: dict[tuple, list] = {}
+
+    def _staged(self, args) -> list:
+        """`args` copied into this step's own buffers for their signature (allocated once)."""
+        key = _signature(args)
+        if key not in self._buffers:
+            with torch.inference_mode(False):
+                buffers = [torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else None
+                           for a in args]
+            for b in buffers:
+                if b is not None:
+                    torch._dynamo.mark_static_address(b)
+            self._buffers[key] = buffers
+        staged = self._buffers[key]
+        with torch.no_grad():
+            for buffer, arg in zip(staged, args):
+                if buffer is not None and not _static(arg):
+                    buffer.copy_(arg)
+        return [arg if buffer is None or _static(arg) else buffer for buffer, arg in zip(staged, args)]
 
     def __call__(self, *args):
-        if self.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        return _clone(self.fn(*args))
+        staged = self._staged(args)
+        with paused(), torch.no_grad():
+            if self.cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self.fn(*staged)
+        return _clone(out) if self.cudagraphs else out
 
     def warm(self, *args) -> None:
         """Compile and capture this shape, so no timed call compiles."""

@@ -49,12 +49,7 @@ class EagerLM(CachedLM):
         return attn in MASKABLE_ATTENTION
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        try:
-            self.cache = DynamicCache(config=self.model.config)
-        except TypeError:  # older signature
-            self.cache = DynamicCache()
+        self.cache = new_cache(self.model.config)
         self.length = 0
 
     @torch.inference_mode()
@@ -68,6 +63,7 @@ class EagerLM(CachedLM):
                 raise UserError(f"tree decoding needs an attention kernel that accepts custom masks, but the target "
                                 f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
             mask, positions = tree_attention_inputs(tree, self.length, self.device, self.model.dtype)
+            mask = sliding_tree_masks(self.model.config, mask, positions, self.length)
         out = self.model(input_ids=tokens.view(1, -1), use_cache=True, attention_mask=mask, position_ids=positions,
                          output_hidden_states=bool(hidden_layers), **{self.cache_argument: self.cache})
         self.cache = returned_cache(out)
@@ -82,7 +78,7 @@ class EagerLM(CachedLM):
             self.cache.crop(-drop)  # a negative count works on every transformers 5.x
             self.length = length
 
-    def compact(self, past_len: int, nodes) -> None:
+    def compact(self, past_len: int, nodes, path=None) -> None:
         nodes = [int(n) for n in nodes]
         self._check_compact(past_len, nodes)
         if nodes != list(range(len(nodes))):  # an accepted chain prefix is already in place
@@ -92,8 +88,34 @@ class EagerLM(CachedLM):
             self.rollback(past_len + len(nodes))
 
 
+def new_cache(config):
+    """An empty DynamicCache. Built from a config with a sliding window (Gemma-3's local layers),
+    transformers keeps only the window's last tokens on those layers and cannot roll back past
+    it; without the config every layer keeps every token, and the model's masks still apply the
+    window."""
+    from transformers import DynamicCache
+
+    if getattr(config, "sliding_window", None) is not None:
+        return DynamicCache()
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # older signature
+        return DynamicCache()
+
+
+def sliding_tree_masks(config, mask: torch.Tensor, positions: torch.Tensor, past_len: int):
+    """`mask` as the per-layer-type dict a model with sliding layers (Gemma-3) takes: one 4-D mask
+    would reach its sliding layers unwindowed. A key is visible there only while
+    q_pos - k_pos < window, with tree nodes at their own positions."""
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or []):
+        return mask
+    key_pos = torch.cat([torch.arange(past_len, device=positions.device), positions[0]])
+    far = positions[0][:, None] - key_pos[None, :] >= config.sliding_window
+    return {"full_attention": mask, "sliding_attention": mask.masked_fill(far, torch.finfo(mask.dtype).min)}
+
+
 def _is_chain(tree: Tree) -> bool:
-    return tree.parents == [-1] + list(range(tree.num_nodes - 1))
+    return tree.parents is not None and tree.parents == [-1] + list(range(tree.num_nodes - 1))
 
 
 def tree_attention_inputs(tree: Tree, past_len: int, device=None,

@@ -40,8 +40,9 @@ from .base import CachedLM, device_tensor, synchronize
 from .compiled import WARMUP_RUNS, CompiledStep
 from .matmul import use_skinny_matmuls
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
+WINDOWED_ARCHITECTURES = ("gemma3_text",)  # sliding-window layers honoured by the mask at any length
 
 
 def static_support(model, max_length: int | None = None) -> str | None:
@@ -57,10 +58,15 @@ def static_support(model, max_length: int | None = None) -> str | None:
     if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{arch} does not have the expected model.embed_tokens/layers/norm/rotary_emb modules"
     rope = getattr(body.rotary_emb, "rope_type", "default")
-    if not isinstance(rope, str) or rope not in STATIC_ROPE_TYPES:
-        return f"{arch} uses {rope!r} rotary embeddings, which change with the sequence length"
+    ropes = rope.values() if isinstance(rope, dict) else [rope]  # Gemma-3: one per layer type
+    bad = [r for r in ropes if not isinstance(r, str) or r not in STATIC_ROPE_TYPES]
+    if bad:
+        return f"{arch} uses {bad[0]!r} rotary embeddings, which change with the sequence length"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return f"{arch} attends bidirectionally, and the static engine's mask is causal"
     window = getattr(cfg, "sliding_window", None)
-    sliding = window is not None and (kind == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or []))
+    sliding = window is not None and kind not in WINDOWED_ARCHITECTURES and (
+        kind == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or []))
     if sliding and (max_length is None or max_length > window):
         return (f"{arch} uses sliding-window attention (window {window}), which the static engine does not "
                 f"implement beyond the window (max_length {max_length})")
@@ -89,11 +95,40 @@ class StaticCache(nn.Module):
         self.values = [getattr(self, f"v{i}") for i in range(self.num_layers)]
         for t in self.keys + self.values:
             torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs replay in place
+        self.windows = layer_windows(model)
+        self.rope_names = layer_rope_names(model)
         with torch.no_grad():
             probe = torch.zeros(1, 1, self.head_dim, dtype=weight.dtype, device=weight.device)
-            cos, sin = body.rotary_emb(probe, torch.arange(capacity, device=weight.device)[None])
-        self.register_buffer("cos", cos[0].contiguous(), persistent=False)  # [capacity, head_dim]
-        self.register_buffer("sin", sin[0].contiguous(), persistent=False)
+            tables = rotary_tables(body, self.rope_names, probe, capacity)
+        for name, (cos, sin) in tables.items():
+            self.register_buffer(f"cos{name}", cos[0].contiguous(), persistent=False)  # [capacity, head_dim]
+            self.register_buffer(f"sin{name}", sin[0].contiguous(), persistent=False)
+
+
+def layer_windows(model) -> list[int | None]:
+    """Each layer's sliding window (None: global attention). Gemma-3 interleaves the two
+    (`layer_types`); other models get none here, since `static_support` refuses their windows
+    unless the whole cache fits inside one, where a window changes nothing."""
+    cfg, n = model.config, len(model.model.layers)
+    if cfg.model_type not in WINDOWED_ARCHITECTURES:
+        return [None] * n
+    return [cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types[:n]]
+
+
+def layer_rope_names(model) -> list[str]:
+    """Each layer's rotary-table suffix: Gemma-3's rotary module takes a layer type (its local
+    layers rotate with a smaller base than its global ones); other models share one table ("")."""
+    body, n = model.model, len(model.model.layers)
+    if not isinstance(getattr(body.rotary_emb, "rope_type", None), dict):
+        return [""] * n
+    return [f"_{t}" for t in model.config.layer_types[:n]]
+
+
+def rotary_tables(body, names: list[str], probe: torch.Tensor, capacity: int) -> dict[str, tuple]:
+    """{suffix: (cos, sin)} for every slot position, from the model's own rotary module."""
+    positions = torch.arange(capacity, device=probe.device)[None]
+    return {name: body.rotary_emb(probe, positions, *([name[1:]] if name else []))
+            for name in dict.fromkeys(names)}
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +151,55 @@ def attention_mask(slots: torch.Tensor, block_mask: torch.Tensor, capacity: int,
     return allowed[:, None]
 
 
+def window_mask(slots: torch.Tensor, positions: torch.Tensor, capacity: int, window: int) -> torch.Tensor:
+    """Bool [B, 1, n, capacity]: keys within `window` of each query (q_pos - k_pos < window, as
+    transformers' sliding masks have it). Positions count from the block's first token: a prefix
+    slot s sits at s - slots[0], a block key at its own depth, which is right for chains, tree
+    branches (depth, not slot order) and left-padded batch rows alike."""
+    n = slots.shape[0]
+    depth = positions - positions[:, :1]                                  # [B, n]
+    rel = torch.arange(capacity, device=slots.device) - slots[0]
+    key_pos = torch.where(rel >= 0, depth[:, rel.clamp(0, n - 1)], rel)  # [B, capacity]
+    return ((depth[:, :, None] - key_pos[:, None, :]) < window)[:, None]
+
+
+def layer_masks(cache: StaticCache, full: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                groups: int) -> list[torch.Tensor]:
+    """Each layer's mask repeated for the `groups` query heads per KV head: `full` itself, or
+    for a sliding layer `full` cut to its window (built once per window size)."""
+    masks = {w: full if w is None else full & window_mask(slots, positions, cache.capacity, w)
+             for w in dict.fromkeys(cache.windows)}
+    masks = {w: m.repeat(1, 1, groups, 1) for w, m in masks.items()}
+    return [masks[w] for w in cache.windows]
+
+
+def layer_rotary(cache: StaticCache, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (cos, sin) [B, 1, n, d] at `positions`, gathered once per table."""
+    tables = {name: (getattr(cache, f"cos{name}")[positions].unsqueeze(1),
+                     getattr(cache, f"sin{name}")[positions].unsqueeze(1))
+              for name in dict.fromkeys(cache.rope_names)}
+    return [tables[name] for name in cache.rope_names]
+
+
+def residual_blocks(layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """The attention and MLP residual adds. Llama's `post_attention_layernorm` is the MLP's input
+    norm; Gemma's sandwich norms the attention output and both sides of the MLP instead."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma
+        x = x + layer.post_attention_layernorm(attn_out)
+        return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+    x = x + attn_out
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def softcap_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """Gemma's final_logit_softcapping, as its forward applies it (its attn_logit_softcapping
+    never reaches transformers' attention functions, so it is not applied here either)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 block_mask: torch.Tensor, key_valid: torch.Tensor | None, hidden_layers: tuple[int, ...] = ()):
     """tokens/positions [B, n], slots [n], block_mask [n, n] -> (logits [B, n, V], hidden [B, n, D] or None).
@@ -129,16 +213,16 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
     d = cache.head_dim
     x = body.embed_tokens(tokens)
     picked = {0: x} if 0 in hidden_layers else {}
-    cos = cache.cos[positions].unsqueeze(1)  # [B, 1, n, d]
-    sin = cache.sin[positions].unsqueeze(1)
-    mask = attention_mask(slots, block_mask, cache.capacity, key_valid).repeat(1, 1, G, 1)  # [B, 1, G*n, cap]
-    for i, layer in enumerate(body.layers):
+    rotary = layer_rotary(cache, positions)  # per layer: [B, 1, n, d]
+    masks = layer_masks(cache, attention_mask(slots, block_mask, cache.capacity, key_valid), slots, positions, G)
+    for i, layer in enumerate(body.layers):  # masks[i]: [B, 1, G*n, cap]
+        cos, sin = rotary[i]
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q = attn.q_proj(h).view(B, n, -1, d)
         k = attn.k_proj(h).view(B, n, -1, d)
         v = attn.v_proj(h).view(B, n, -1, d).transpose(1, 2)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3, Gemma-3
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
@@ -146,16 +230,15 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
         cache.keys[i].index_copy_(2, slots, k)
         cache.values[i].index_copy_(2, slots, v)
         q = q.reshape(B, cache.kv_heads, G * n, d)  # query head j*G + g reads KV head j
-        o = F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=attn.scaling)
+        o = F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=masks[i], scale=attn.scaling)
         o = o.view(B, cache.heads, n, d).transpose(1, 2).reshape(B, n, cache.heads * d)
-        x = x + attn.o_proj(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = residual_blocks(layer, x, attn.o_proj(o))
         if i + 1 in hidden_layers and i + 1 < cache.num_layers:
             picked[i + 1] = x
     x = body.norm(x)
     if cache.num_layers in hidden_layers:
         picked[cache.num_layers] = x
-    logits = model.lm_head(x)
+    logits = softcap_logits(model.config, model.lm_head(x))
     if not hidden_layers:
         return logits, None
     hidden = [picked[i] for i in hidden_layers]
@@ -188,13 +271,14 @@ class StaticLM(CachedLM):
         self.cache = StaticCache(model, capacity, batch_size)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.cudagraphs = self.compile and self.device.type == "cuda"
-        self.sizes: list[int] = []   # registered step sizes (buckets), ascending
+        self.sizes: dict[tuple, list[int]] = {}  # registered step sizes (buckets) per hidden layers, ascending
         self.keep_width = 0          # registered width of compiled compaction (0: eager)
         self.compile_seconds = 0.0
         self.length = 0
         self._steps: dict = {}
         self._move = None
         self._causal: dict[int, torch.Tensor] = {}
+        self._slots = torch.arange(self.cache.capacity, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -216,6 +300,7 @@ class StaticLM(CachedLM):
     def causal(self, n: int) -> torch.Tensor:
         if n not in self._causal:
             self._causal[n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            torch._dynamo.mark_static_address(self._causal[n])  # a constant: compiled steps read it in place
         return self._causal[n]
 
     @torch.no_grad()
@@ -227,8 +312,11 @@ class StaticLM(CachedLM):
         fn = self._step_fn(tuple(hidden_layers), compiled and self.compile)
         return fn(tokens, positions, slots, block_mask, key_valid)
 
-    def _bucket(self, n: int) -> int | None:
-        for size in self.sizes:
+    def _bucket(self, n: int, hidden_layers: tuple[int, ...]) -> int | None:
+        """The smallest size registered with these hidden layers that holds n tokens: a graph is
+        compiled per (size, hidden layers), so a size another decoder registered with other layers
+        would compile inside a timed step."""
+        for size in self.sizes.get(tuple(hidden_layers), ()):
             if size >= n and self.length + size <= self.capacity:
                 return size
         return None
@@ -236,7 +324,7 @@ class StaticLM(CachedLM):
     def forward(self, tokens: torch.Tensor, *, tree: Tree | None = None, hidden_layers: tuple[int, ...] = ()):
         n = tokens.numel()
         self._check_room(n)
-        size = self._bucket(n)
+        size = self._bucket(n, tuple(hidden_layers))
         width = size or n
         if width > n:  # padding after the real tokens, each padding row seeing only itself
             tokens = F.pad(tokens, (0, width - n))
@@ -244,8 +332,8 @@ class StaticLM(CachedLM):
             positions = torch.arange(self.length, self.length + width, device=self.device)
             block = self.causal(width)
         else:
-            positions = tree.depths.to(self.device) + self.length
-            block = tree.attention_mask.to(self.device)
+            positions = tree.depths + self.length
+            block = tree.attention_mask
             if width > n:
                 positions = F.pad(positions, (0, width - n), value=self.length)
                 block = F.pad(block, (0, width - n, 0, width - n)) | torch.eye(width, dtype=torch.bool, device=self.device)
@@ -259,18 +347,18 @@ class StaticLM(CachedLM):
         self.length = length
 
     @torch.no_grad()
-    def compact(self, past_len: int, nodes) -> None:
+    def compact(self, past_len: int, nodes, path: torch.Tensor | None = None) -> None:
         nodes = [int(n) for n in nodes]
         self._check_compact(past_len, nodes)
         m = len(nodes)
         if nodes != list(range(m)):  # an accepted chain prefix is already in place
-            src, dst = [past_len + i for i in nodes], [past_len + i for i in range(m)]
-            compiled = self._move is not None and m <= self.keep_width and past_len + self.keep_width <= self.capacity
-            if compiled:  # fixed width: repeat the last pair (same value written twice)
-                src += [src[-1]] * (self.keep_width - m)
-                dst += [dst[-1]] * (self.keep_width - m)
-            move = self._move if compiled else functools.partial(move_entries, self.cache)
-            move(device_tensor(src, self.device), device_tensor(dst, self.device))
+            width = self.keep_width
+            if self._move is not None and path is not None and path.numel() == width and past_len + width <= self.capacity:
+                # fixed width, indices already on the device: the padding repeats the last pair
+                self._move(path + past_len, self._slots[:width].clamp(max=m - 1) + past_len)
+            else:
+                src = device_tensor([past_len + i for i in nodes], self.device)
+                move_entries(self.cache, src, self._slots[past_len:past_len + m])
         self.length = past_len + m
 
     # -- warm-up ----------------------------------------------------------------------------------
@@ -281,6 +369,7 @@ class StaticLM(CachedLM):
         warm up, record, then replay). Returns the seconds spent, also added to `compile_seconds`.
         Runs dummy steps through the cache, so it ends with `reset()`: call it between generations."""
         sizes = sorted({int(s) for s in sizes if 0 < int(s) <= self.capacity})
+        hidden_layers = tuple(hidden_layers)
         start = time.perf_counter()
         self.length = 0
         for size in sizes:
@@ -295,7 +384,7 @@ class StaticLM(CachedLM):
             # two tensors, as compact() passes: the same one twice compiles an aliasing guard
             self._move.warm(src, src.clone())
             self.keep_width = keep_width
-        self.sizes = sorted(set(self.sizes) | set(sizes))
+        self.sizes[hidden_layers] = sorted(set(self.sizes.get(hidden_layers, ())) | set(sizes))
         self.reset()
         synchronize(self.device)
         seconds = time.perf_counter() - start

@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from engines import ENGINES, on_engine, ready
 from test_medusa_decoding import PlantedHeads, noisy_heads, planted_ranks
 from tiny import greedy_reference, noisy_copy, tiny_lm
 
 from drafttrain.decoding import DecodeSettings, Drafter, build_decoder
-from drafttrain.decoding.drafters.hybrid import merge_chain
+from drafttrain.decoding.drafters.hybrid import hang_lookup
 from drafttrain.decoding.factory import max_step_tokens, tree_name
 from drafttrain.trees import tree_from_parents
 
@@ -51,6 +52,30 @@ def paths(tokens, parents) -> list[tuple[int, ...]]:
     return out
 
 
+def merge_chain(tokens: list[int], parents: list[int], lookup: list[int]) -> tuple[list[int], list[int]]:
+    """The reference merge, on the host: walk the lookup down the tree while a child holds its next
+    token (twin siblings: the first), hang its rest below the last node shared."""
+    children: dict[tuple[int, int], int] = {}
+    for node in range(1, len(parents)):
+        children.setdefault((parents[node], tokens[node]), node)
+    node, shared = 0, 0
+    while shared < len(lookup) and (node, lookup[shared]) in children:
+        node = children[node, lookup[shared]]
+        shared += 1
+    tokens, parents = list(tokens), list(parents)
+    for token in lookup[shared:]:
+        tokens.append(token)
+        parents.append(node)
+        node = len(tokens) - 1
+    return tokens, parents
+
+
+def device_merge(tokens, parents, lookup):
+    """`hang_lookup` on a tree built from host parents: (tokens, parents, added) read back."""
+    merged, tree, added = hang_lookup(torch.tensor(tokens), tree_from_parents(list(parents)), lookup)
+    return merged.tolist(), tree.parent.tolist(), int(added)
+
+
 @pytest.mark.parametrize("tree, lookup, new_parents", [
     # root; 7 -> 8 -> 9 and 7 -> 1; 3
     ((-1, 0, 1, 2, 1, 0), [7, 8, 5, 6], [2, 6]),  # shares 7, 8; its rest hangs under 8
@@ -62,20 +87,30 @@ def paths(tokens, parents) -> list[tuple[int, ...]]:
     ((-1,), [4], [0]),                            # a model that drafted nothing
 ])
 def test_the_lookup_shares_the_nodes_it_agrees_with(tree, lookup, new_parents):
+    """The device merge appends one node per lookup token: the shared ones as twins of the model's
+    (same parent and token, never kept: the verdict prefers the elder), the rest exactly where the
+    host reference hangs them."""
     tokens = [0, 7, 8, 9, 1, 3][:len(tree)]
-    merged, parents = merge_chain(tokens, list(tree), lookup)
+    merged, parents, added = device_merge(tokens, tree, lookup)
+    reference, reference_parents = merge_chain(tokens, list(tree), lookup)
+    assert reference_parents[len(tree):] == new_parents
     assert merged[:len(tokens)] == tokens and parents[:len(tree)] == list(tree)  # the model's nodes keep their index
-    assert parents[len(tree):] == new_parents
+    assert len(merged) == len(tree) + len(lookup) and added == len(new_parents)
+    shared = len(lookup) - added
+    moved = [p + shared if p >= len(tree) else p for p in new_parents]  # after the twins
+    assert parents[len(tree) + shared:] == moved and merged[len(tree):] == lookup
     assert all(p < n for n, p in enumerate(parents) if n)                     # parents precede children
     tree_from_parents(parents)                                               # a valid tree
     got, want = paths(merged, parents), set(paths(tokens, list(tree))) | {tuple(lookup[:d]) for d in
                                                                            range(len(lookup) + 1)}
-    assert set(got) == want and len(got) == len(want)  # both trees' paths, prefix-closed, none twice
+    assert set(got) == want and len(got) == len(want) + shared  # both trees' paths; the twins repeat `shared`
+    for twin in range(len(tree), len(tree) + shared):               # a twin is childless
+        assert twin not in parents
 
 
-def test_twin_siblings_take_the_first():
-    merged, parents = merge_chain([0, 7, 7, 8], [-1, 0, 0, 2], [7, 5])
-    assert parents == [-1, 0, 0, 2, 1]
+def test_the_walk_follows_the_first_twin():
+    merged, parents, added = device_merge([0, 7, 7, 8], [-1, 0, 0, 2], [7, 5])
+    assert added == 1 and parents[-1] == 1 and merge_chain([0, 7, 7, 8], [-1, 0, 0, 2], [7, 5])[1][-1] == 1
 
 
 def lm_drafter(kind, model, engine):
@@ -171,12 +206,13 @@ def spy(hybrid) -> list[dict]:
     def drafting_model(root, depth):
         tokens, tree = model_draft(root, depth)
         steps.append({"text": list(hybrid.sequence), "depth": depth, "model": tokens.tolist(),
-                      "parents": tree.parents})
+                      "parents": tree.parent.tolist()})
         return tokens, tree
 
     def drafting(root, depth):
         tokens, tree = hybrid_draft(root, depth)
         steps[-1]["nodes"] = tokens.numel()
+        steps[-1]["distinct"] = len(set(paths(tokens.tolist(), tree.parent.tolist())))
         return tokens, tree
 
     def committing(nodes, accepted, bonus, hidden=None):
@@ -198,7 +234,7 @@ def test_lookup_nodes_counts_the_nodes_the_lookup_added(models, model):
     decoder, steps = spied_hybrid(models, model)
     for prompt in PROMPTS:
         decoder.generate(prompt, 30)
-    added = [s["nodes"] - len(s["model"]) for s in steps]
+    added = [s["distinct"] - len(s["model"]) for s in steps]
     assert decoder.drafter.lookup_nodes == sum(added) > 0
     assert all(0 <= a <= s["depth"] for a, s in zip(added, steps))
     assert max(s["nodes"] for s in steps) <= decoder.num_tree_nodes

@@ -1,14 +1,18 @@
 """The static engine against transformers' own forward, per supported architecture, in float64:
 prefill, chain steps, rollback, bucket-padded steps, kept tree paths and hidden states; the
-engine choice (`resolve_engine`, `cached_lm`); and one compiled run."""
+engine choice (`resolve_engine`, `cached_lm`); and one compiled run. Gemma-3 (a 4-token sliding
+window, so every test runs past it) adds tree passes, batches and the real model's first layers;
+its decoding with every drafter kind is in tests/decoding and tests/eagle3."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from tiny import greedy_reference
+from tiny import greedy_reference, tiny_gemma3
 
 from drafttrain.decoding import (
     EagerLM,
@@ -29,6 +33,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
 def build(arch: str, dtype=torch.float64, **extra):
     import transformers
 
+    if arch == "gemma3":  # sharpened, with random (1 + w) norm weights
+        return tiny_gemma3(vocab_size=VOCAB, dtype=dtype, **extra)
     torch.manual_seed(0)
     if arch == "llama":
         cfg = transformers.LlamaConfig(**SHAPE, attention_bias=True, **extra)  # biases, as in some fine-tunes
@@ -54,7 +60,7 @@ def build(arch: str, dtype=torch.float64, **extra):
     return model
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 
 
 def hf(model, tokens, layers=()):
@@ -77,9 +83,9 @@ def test_logits_and_hidden_states_equal_transformers(arch):
 
     def step(tokens, buckets=None):
         if buckets:
-            lm.sizes = buckets  # padded to the next bucket, as a compiled step would be
+            lm.sizes = {layers: buckets}  # padded to the next bucket, as a compiled step would be
         logits, hidden = lm.forward(torch.tensor(tokens), hidden_layers=layers)
-        lm.sizes = []
+        lm.sizes = {}
         seen.extend(tokens)
         ref_logits, ref_hidden = hf(model, seen, layers)
         torch.testing.assert_close(logits, ref_logits[-len(tokens):], rtol=0, atol=1e-10)
@@ -187,7 +193,7 @@ def test_compiled_steps_equal_generate_without_recompiling():
     lm = cached_lm(model, "static", max_length=48, compile=True)
     decoder = ChainDecoder(lm, NgramProposer("cpu"), num_draft_tokens=2)
     seconds = lm.warmup([1, 3])  # two buckets: a two-token step is padded to three
-    assert seconds > 0 and lm.compile_seconds == seconds and lm.sizes == [1, 3]
+    assert seconds > 0 and lm.compile_seconds == seconds and lm.sizes == {(): [1, 3]}
     proposed = []
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in ([5, 9, 13, 7, 5, 9], [40], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]):
@@ -196,3 +202,110 @@ def test_compiled_steps_equal_generate_without_recompiling():
             proposed += gen.proposed_lengths
     assert {0, 1, 2} <= set(proposed)  # one-, padded two- and three-token steps all ran
     assert any(a < p for a, p in zip(gen.accepted_lengths, gen.proposed_lengths))  # and a rollback
+
+
+# --- Gemma-3: sliding and global layers past the window ---------------------------------------
+
+
+def gemma3_lm(engine: str, model=None, max_length: int = 64):
+    model = model if model is not None else build("gemma3")
+    lm = cached_lm(model, "eager" if engine == "eager" else "static", max_length=max_length)
+    if engine == "static-bucket":
+        lm.warmup([16])  # every step below is padded to 16 rows
+    return lm
+
+
+def plain_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def test_gemma3_is_supported_at_any_length_but_not_bidirectional():
+    model = build("gemma3")
+    assert model.config.sliding_window == 4 and static_support(model, max_length=4096) is None
+    assert resolve_engine("static", model, max_length=4096) == "static"
+    bidirectional = build("gemma3", use_bidirectional_attention=True)
+    assert "bidirectionally" in static_support(bidirectional, max_length=16)
+    capped = build("gemma3", attn_logit_softcapping=1.0)  # transformers' Gemma-3 never applies it: nor do we
+    lm = StaticLM(capped, max_length=16, compile=False)
+    lm.reset()
+    logits, _ = lm.forward(torch.arange(3, 15))
+    torch.testing.assert_close(logits, plain_logits(capped, list(range(3, 15))), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("engine", ["eager", "static", "static-bucket"])
+def test_gemma3_tree_pass_and_compact_equal_transformers(engine):
+    """Every node of a tree drafted 9 tokens past a 4-token window sees its own path's window;
+    keeping a path (out of slot order) and decoding on equals the plain sequence."""
+    from drafttrain.trees import tree_from_parents
+
+    lm = gemma3_lm(engine)
+    model = lm.model
+    tree = tree_from_parents([-1, 0, 0, 1, 2, 1, 3, 5, 6, 8])
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(VOCAB, (9,), generator=g).tolist()
+    tokens = torch.randint(VOCAB, (tree.num_nodes,), generator=g)
+    lm.reset()
+    with torch.no_grad():
+        lm.forward(torch.tensor(prefix))
+        logits, _ = lm.forward(tokens, tree=tree)
+        for n in range(tree.num_nodes):
+            want = plain_logits(model, prefix + tokens[tree.path_to(n)].tolist())[-1]
+            torch.testing.assert_close(logits[n], want, rtol=0, atol=1e-10)
+        path = tree.path_to(9)  # [0, 2, 4, 8, 9]: slots 9, 11, 13, 17, 18 move to 9..13
+        lm.compact(len(prefix), path)
+        more = [11, 12, 13, 14, 15, 16]
+        cont, _ = lm.forward(torch.tensor(more))
+        want = plain_logits(model, prefix + tokens[path].tolist() + more)[-len(more):]
+        torch.testing.assert_close(cont, want, rtol=0, atol=1e-10)
+        lm.rollback(len(prefix) + 2)  # forget past the window, then decode over it again
+        cont, _ = lm.forward(torch.tensor(more))
+        want = plain_logits(model, prefix + tokens[path[:2]].tolist() + more)[-len(more):]
+        torch.testing.assert_close(cont, want, rtol=0, atol=1e-10)
+
+
+def test_gemma3_batch_rows_equal_each_prompt_alone():
+    """Left-padded rows: the window counts each row's own positions, not the padded slots."""
+    from drafttrain.data.generation import left_pad
+    from drafttrain.decoding.batch import BatchGenerator
+
+    model = build("gemma3")
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13], [14], [15, 16, 17, 18, 19, 20]]
+    ids, mask = left_pad(prompts, 0, "cpu")
+    rows, _, _ = BatchGenerator(model, batch_size=4, max_length=ids.shape[1] + 12).generate(
+        ids, mask, max_new_tokens=12, eos_token_ids=[2])
+    assert rows == [greedy_reference(model, p, 12, eos=2) for p in prompts]
+
+
+def real_gemma3() -> Path | None:
+    """The directory `drafttrain assets gemma3` builds, where it has been built."""
+    home = Path(os.environ.get("DRAFTTRAIN_HOME") or Path.home() / ".cache" / "drafttrain")
+    path = home / "models" / "gemma-3-270m"
+    return path if (path / ".complete").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(real_gemma3() is None, reason="run `drafttrain assets gemma3` first")
+def test_real_gemma3_first_layers_equal_transformers():
+    """Gemma-3-270M's first two layers with the real weights, window 512 and 262k vocabulary, in
+    float64 (the second switched to global attention, as every sixth layer is, so both rotary bases
+    and both masks meet real weights): a prompt past the window, chain steps, a rollback across it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = real_gemma3()
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.num_hidden_layers, cfg.layer_types = 2, ["sliding_attention", "full_attention"]
+    model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float64).eval()
+    assert model.config.vocab_size == 262144 and model.config.sliding_window == 512
+    lm = StaticLM(model, max_length=560, compile=False)
+    text = torch.randint(3, 262144, (540,), generator=torch.Generator().manual_seed(0)).tolist()
+    lm.reset()
+    with torch.no_grad():
+        for start, end in ((0, 505), (505, 514), (514, 515)):
+            logits, _ = lm.forward(torch.tensor(text[start:end]))
+            want = model(torch.tensor([text[:end]]), logits_to_keep=end - start).logits[0]
+            torch.testing.assert_close(logits, want, rtol=0, atol=1e-9)
+        lm.rollback(508)
+        logits, _ = lm.forward(torch.tensor(text[520:540]))
+        want = model(torch.tensor([text[:508] + text[520:540]]), logits_to_keep=20).logits[0]
+        torch.testing.assert_close(logits, want, rtol=0, atol=1e-9)

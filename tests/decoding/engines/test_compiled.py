@@ -1,0 +1,79 @@
+"""Compiled steps: inputs staged in the step's own buffers, and compiled code kept on disk under
+`$DRAFTTRAIN_HOME` so that a second identical run on this machine does not generate it again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from drafttrain.decoding.engines import compiled
+from drafttrain.decoding.engines.compiled import CompiledStep, compile_cache_dir, compile_cache_state
+
+
+def test_the_cache_is_keyed_by_torch_and_device_under_the_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    path = compile_cache_dir("cpu")
+    assert path.startswith(str(tmp_path / "compile")) and torch.__version__.replace("+", "_") in path
+    compiled.use_compile_cache("cpu")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the user's own choice is kept
+    compiled.use_compile_cache("cpu")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
+def test_the_cache_state_says_off_cold_or_warm(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.delenv(compiled.BACKEND_VARIABLE, raising=False)
+    monkeypatch.setitem(counters, "inductor", {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 0})
+    assert compile_cache_state(0.0) == "off" and compile_cache_state(2.0) == "warm"
+    monkeypatch.setitem(counters, "inductor", {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 1})
+    assert compile_cache_state(2.0) == "cold"
+    monkeypatch.setenv(compiled.BACKEND_VARIABLE, "eager")  # nothing generated, nothing cached
+    assert compile_cache_state(2.0) == "off"
+
+
+def test_inputs_are_staged_in_the_steps_own_buffers(monkeypatch):
+    """Each call copies its inputs into one buffer set per signature (the graph's guards and a
+    CUDA graph always see the same tensors), except tensors at static addresses, read in place."""
+    monkeypatch.setenv(compiled.BACKEND_VARIABLE, "eager")
+    seen = []
+
+    def record(a, b):  # stands in for the compiled function: which tensors does it get?
+        seen.append((a.data_ptr(), b.data_ptr()))
+        return a + b
+
+    step = CompiledStep(record, torch.device("cpu"))
+    step.fn = record
+    constant = torch.ones(3)
+    torch._dynamo.mark_static_address(constant)
+    for _ in range(2):
+        x = torch.arange(3.0)
+        assert torch.equal(step(x, constant), x + 1)
+    assert seen[0] == seen[1] and seen[0][1] == constant.data_ptr() and seen[0][0] != x.data_ptr()
+
+
+@pytest.mark.slow
+def test_a_second_identical_run_reads_its_compiled_code_from_the_cache(tmp_path):
+    """Two processes compile the same step with inductor under one DRAFTTRAIN_HOME: the first
+    generates (cold), the second is served from the disk cache (warm)."""
+    script = textwrap.dedent("""
+        import time, torch
+        from drafttrain.decoding.engines.compiled import CompiledStep, compile_cache_state
+        step = CompiledStep(lambda a: (a.sin() * 2 + a.cos()).sum(-1), torch.device("cpu"))
+        start = time.perf_counter()
+        step(torch.randn(4, 8))
+        print(compile_cache_state(time.perf_counter() - start))
+    """)
+    env = {**os.environ, "DRAFTTRAIN_HOME": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    env.pop(compiled.BACKEND_VARIABLE, None)
+    states = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+                             ).stdout.split()[-1] for _ in range(2)]
+    assert states == ["cold", "warm"]

@@ -1,0 +1,123 @@
+"""The step budget that keeps drafters at GPU speed, counted on the CPU (`engines.overhead`).
+
+Every drafter kind decodes on the static engine with its steps compiled by dynamo's eager backend
+(`DRAFTTRAIN_COMPILE_BACKEND=eager`: the same graphs, guards and recompiles as inductor, without
+generating code), so what runs outside a compiled step is exactly what would run as separate
+kernel launches on a GPU, and every host sync is one the GPU would wait for. Each kind must make
+one host sync per step, and the EAGLE-3 kinds few eager ops (the device-built EAGLE-2 tree); the
+output stays the target's own greedy output. A `compare`-style target shared by every kind
+compiles nothing once warmed up.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import greedy_reference, noisy_copy
+
+from drafttrain.decoding import DecodeSettings, Drafter, StaticLM, build_decoder
+from drafttrain.decoding.engines.overhead import count_overhead, step_overhead
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eagle3"))  # the EAGLE-3 tests' trained draft
+sys.path.insert(0, str(Path(__file__).resolve().parent / "drafters"))      # the Medusa tests' heads
+from eagle3_helpers import EOS, trained_pair  # noqa: E402
+from test_medusa_decoding import noisy_heads  # noqa: E402
+
+MASK = 9
+PROMPTS = [[5, 9, 13, 7, 5, 9, 13, 7, 5], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
+MAX_NEW = 24
+K = 3
+DYNAMIC = dict(tree="dynamic", tree_nodes=12, tree_topk=3)
+# Eager ops per step outside compiled steps (views excluded), the most each kind may make: ~40 for
+# the EAGLE-3 kinds, as the issue asks (the node-by-node tree made 206); the others as measured,
+# with a margin. A draft LM's first step also feeds it the prompt (uncompiled, once per prompt);
+# a +ngram step that finds a continuation merges it on the device (~30 small ops).
+KINDS = {
+    "plain": ("none", {}, 15),
+    "draft": ("draft", {}, 55),
+    "parallel": ("parallel_draft", {}, 45),
+    "ngram": ("ngram", {}, 15),
+    "medusa": ("medusa", dict(tree="default"), 55),
+    "eagle3-chain": ("eagle3", dict(tree="chain"), 25),
+    "eagle3-tree": ("eagle3", DYNAMIC, 40),
+    "draft+ngram": ("draft", dict(ngram_hybrid=True), 115),
+    "eagle3-tree+ngram": ("eagle3", dict(DYNAMIC, ngram_hybrid=True), 75),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_backend():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DRAFTTRAIN_COMPILE_BACKEND", "eager")
+        yield
+
+
+@pytest.fixture(scope="module")
+def shared(compiled_backend):
+    """One static, compiled target (as `compare` shares it) and every kind's drafter for it."""
+    target, draft = trained_pair()
+    lm = StaticLM(target, max_length=96, compile=True)
+    drafts = {"draft": StaticLM(noisy_copy(target, scale=0.6), max_length=96, compile=True),
+              "parallel_draft": StaticLM(noisy_copy(target, scale=0.6, seed=8), max_length=96, compile=True)}
+    models = {"none": None, "ngram": None, "eagle3": draft, "medusa": noisy_heads(target, 3), **drafts}
+    decoders = {}
+    for name, (kind, extra, _) in KINDS.items():
+        info = {"pard_token": MASK, "parallel_tokens": K} if kind == "parallel_draft" else {}
+        settings = DecodeSettings(num_draft_tokens=K, eos_token_ids=frozenset({EOS}), **extra)
+        decoders[name] = build_decoder(lm, Drafter(kind, models[kind], info), settings)
+    for decoder in decoders.values():
+        decoder.warmup()
+    return target, decoders
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(KINDS))
+def test_one_host_sync_per_step_and_few_eager_ops(shared, name):
+    target, decoders = shared
+    decoder = decoders[name]
+    for prompt in PROMPTS:
+        syncs, ops, steps = step_overhead(decoder, prompt, MAX_NEW)
+        assert steps > 1 and syncs == 1, f"{name}: {syncs} host syncs per step"
+        assert ops <= KINDS[name][2], f"{name}: {ops:.1f} eager ops per step"
+        assert decoder.generate(prompt, MAX_NEW).tokens == greedy_reference(target, prompt, MAX_NEW, eos=EOS)
+
+
+@pytest.mark.slow
+def test_nothing_compiles_after_warm_up(shared):
+    """Every kind decodes on the shared target after all were warmed up: no recompile (an error)
+    and no new graph. Each shape a run can meet was compiled for its own hidden layers."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    _, decoders = shared
+    before = dict(counters["frames"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch._dynamo.config, "error_on_recompile", True)
+        for decoder in decoders.values():
+            for prompt in PROMPTS + [[7, 3]]:
+                decoder.generate(prompt, MAX_NEW)
+    assert dict(counters["frames"]) == before
+
+
+def test_the_counter_sees_syncs_and_eager_ops_but_not_compiled_ones(compiled_backend):
+    """The counter itself: reads and blocking copies are syncs, a pinned/non-blocking copy is not,
+    and a compiled step's ops are not eager ops."""
+    from drafttrain.decoding.engines import device_tensor
+    from drafttrain.decoding.engines.compiled import CompiledStep
+
+    x = torch.arange(4)
+    step = CompiledStep(lambda a: (a * 2 + 1).sum(), torch.device("cpu"))
+    step(x)  # compiled before counting
+    with count_overhead() as counts:
+        x.tolist()
+        int(x[0])
+        torch.tensor([1, 2], device="cpu")
+        device_tensor([1, 2], torch.device("cpu"))
+        step(x)
+    assert counts.syncs == 3
+    with count_overhead() as counts:
+        step(x)
+    assert counts.eager_ops == 1  # the input's copy into the step's own buffer
