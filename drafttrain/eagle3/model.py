@@ -96,6 +96,16 @@ def _rope_parameters(target_config) -> dict:
     return dict(params)
 
 
+def norm_scale(norm: nn.Module | None) -> torch.Tensor | None:
+    """The factor an RMSNorm multiplies by: its weight, or 1 + weight for Gemma's norms, which
+    store the offset from 1 (copying Gemma-3's raw weight into the draft's Llama-style norm
+    would scale its output by ~0 instead of ~1)."""
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        return None
+    return weight.detach() + 1 if type(norm).__name__.startswith("Gemma") else weight.detach()
+
+
 @dataclass
 class Eagle3Config:
     hidden_size: int
@@ -322,9 +332,9 @@ class Eagle3Draft(nn.Module):
         head = target.get_output_embeddings().weight
         self.lm_head.weight.copy_(head.detach().index_select(0, ids.to(head.device)).to(self.lm_head.weight))
         base = getattr(target, "model", None)
-        final_norm = getattr(base, "norm", None)
-        if getattr(final_norm, "weight", None) is not None and final_norm.weight.shape == self.norm.weight.shape:
-            self.norm.weight.copy_(final_norm.weight)
+        scale = norm_scale(getattr(base, "norm", None))
+        if scale is not None and scale.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(scale)
         self.set_vocab(vocab)
 
     @torch.no_grad()

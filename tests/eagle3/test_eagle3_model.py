@@ -234,6 +234,27 @@ def test_initialisation_reads_the_target():
     assert all("embed" not in k for k in draft.state_dict())
 
 
+def test_a_gemma3_target_is_read_right():
+    """Gemma-3-270M's config (18 layers, head_dim 256 != 640 / 4 heads, rotary per layer type)
+    gives the default aux layers and the global layers' rotary; a tiny Gemma-3's final norm,
+    which stores 1 + w as w, starts the draft's Llama-style norm at 1 + w."""
+    from transformers import Gemma3TextConfig
+
+    from drafttrain.eagle3.vocab import build_draft_vocab
+
+    real = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    config = Eagle3Config.from_target(real, 32768)
+    assert config.aux_layer_ids == (2, 9, 15) and config.head_dim == 256 and config.num_key_value_heads == 1
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+    target = tiny_target(arch="gemma3")
+    draft = Eagle3Draft.from_target(target, build_draft_vocab([[1, 5, 5, 9]], VOCAB, 10), dtype=torch.float64)
+    torch.testing.assert_close(draft.norm.weight, 1 + target.model.norm.weight)
+    assert draft.config.rope_parameters == target.config.rope_parameters["full_attention"]
+
+
 def test_aux_layer_ids_are_checked():
     assert default_aux_layer_ids(30) == (2, 15, 27)  # vLLM's / SGLang's default for SmolLM2's 30 layers
     assert check_aux_layer_ids([1, 3, 5], 7) == (1, 3, 5)
