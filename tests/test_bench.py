@@ -15,9 +15,11 @@ K = 2
 MAX_NEW = 10
 
 
-def run(tmp_path, *extra, out="bench"):
+def run(tmp_path, *extra, out="bench", overhead=False):
+    """`drafttrain bench` on the CPU; the tiny models' step overhead (15 s) only where asked."""
     argv = ["bench", "--device", "cpu", "--max-new-tokens", str(MAX_NEW), "--num-draft-tokens", str(K),
-            "--repeats", "2", "--oracle-alpha", "0,0.6,1", "--quiet", "--out", str(tmp_path / out), *extra]
+            "--repeats", "2", "--oracle-alpha", "0,0.6,1", "--quiet", "--out", str(tmp_path / out), *extra,
+            *([] if overhead else ["--no-step-overhead"])]
     return main(argv)
 
 
@@ -27,7 +29,7 @@ def check_summary(s):
 
 
 def test_bench_figures_are_consistent(tmp_path):
-    assert run(tmp_path, "--shape", "tiny", "--num-prompts", "2", "--prompt-length", "9") == 0
+    assert run(tmp_path, "--shape", "tiny", "--num-prompts", "2", "--prompt-length", "9", overhead=True) == 0
     out = tmp_path / "bench"
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md", "bench.png"]
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -74,9 +76,16 @@ def test_bench_figures_are_consistent(tmp_path):
     assert oracle[1.0]["acceptance"] == 1.0 and oracle[1.0]["tau"] == pytest.approx(10 / 4)
     assert oracle[0.0]["acceptance"] == 0.0 and oracle[0.0]["tau"] == 1.0
 
+    # Every drafter kind's overhead with tiny models: one host sync per step (the floor), plain
+    # decoding the fewest eager ops, the node-by-node EAGLE-3 tree's 206 gone.
+    overhead = {r["drafter"]: r for r in b["step_overhead"]["rows"]}
+    assert len(overhead) == 9 and all(r["syncs_per_step"] == 1 and r["step_ms"] > 0 for r in overhead.values())
+    assert min(overhead.values(), key=lambda r: r["eager_ops_per_step"])["drafter"] == "plain"
+    assert overhead["EAGLE-3 dynamic tree"]["eager_ops_per_step"] <= 40
+
     md = (out / "bench.md").read_text()
     for text in ("## Roofline", "## Plain decoding", "## One forward", "## Oracle speculation", "bench.png",
-                 f"{b['roofline_tokens_per_s']:,.1f}", "skipped: transformers compiles"):
+                 f"{b['roofline_tokens_per_s']:,.1f}", "skipped: transformers compiles", "## Step overhead"):
         assert text in md
 
 

@@ -67,6 +67,8 @@ class BenchConfig:
     seed: int = setting(0, "Seeds the random prompts and the oracle.")
     bandwidth_mib: int = setting(0, "Bandwidth probe size (0: 1024 on CUDA, 64 on CPU).", metavar="MIB", at_least=0)
     hf_generate: bool = setting(True, "Also time transformers' generate.", negated=True)
+    step_overhead: bool = setting(True, "Also count each drafter kind's step overhead with tiny models (host "
+                                        "syncs, eager ops, step time).", negated=True)
     overwrite: bool = setting(False, "Replace a non-empty --out.")
     quiet: bool = setting(False, "No progress lines.")
     out: str = setting(doc="Output directory (bench.json, bench.md, bench.png).", metavar="DIR")

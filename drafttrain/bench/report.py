@@ -24,6 +24,21 @@ def _bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def overhead_lines(o: dict | None) -> list[str]:
+    """The step-overhead table (`bench.overhead`), or nothing where it was not run."""
+    if not o:
+        return []
+    lines = ["", f"## Step overhead by drafter kind (tiny random models, K = {o['k']})", "",
+             "What a drafter kind adds to every step whatever the model: host syncs per step (1 is the floor), "
+             "ops run outside compiled steps (each a kernel launch from Python on a GPU) and the median step "
+             "time with a 4-layer, 64-wide target (`drafttrain/bench/overhead.py`).", "",
+             "| drafter | host syncs / step | eager ops / step | step ms (median) |", "|---|---|---|---|"]
+    for r in o["rows"]:
+        lines.append(f"| {r['drafter']} | {_f(r['syncs_per_step'], 2)} | {_f(r['eager_ops_per_step'], 1)} | "
+                     f"{_f(r['step_ms'], 2)} |")
+    return lines
+
+
 def render_markdown(b: dict) -> str:
     m, bw = b["model"], b["bandwidth"]
     lines = [
@@ -72,6 +87,7 @@ def render_markdown(b: dict) -> str:
                      f"{_f(r['tokens_per_s']['median'])} | {_f(r['measured_speedup'], 2)} | "
                      f"{_f(r['predicted_speedup'], 2)} | {_f(r['efficiency'], 2)} | "
                      f"{_f(r['predicted_speedup_with_cost'], 2)} | {_f(r['outputs_match_plain'])} |")
+    lines += overhead_lines(b.get("step_overhead"))
     if b["notes"]:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in b["notes"]]
     lines += ["", "![bench](bench.png)", ""]

@@ -15,6 +15,7 @@ from ..fileio import atomic_write_json, atomic_write_text, check_output_dir
 from ..planning import noisy
 from ..trees import DEFAULT_TREE
 from . import measure, target
+from .overhead import step_overheads
 from .config import BenchConfig
 from .report import plot, render_markdown
 
@@ -115,6 +116,11 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         oracle_rows.append({"alpha": alpha, **r, "measured_speedup": measured, "predicted_speedup": predicted,
                             "efficiency": measured / predicted, "predicted_speedup_with_cost": predicted / cost})
 
+    overhead = None
+    if cfg.step_overhead:
+        log("bench: step overhead by drafter kind, tiny models")
+        overhead = {"k": k, "rows": step_overheads(device, dtype, k, cfg.seed)}
+
     params = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     bench = {
         "config": {**asdict(cfg), "num_prompts": len(prompts), "engine_resolved": engine},
@@ -129,6 +135,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                     "compile_seconds": forward_compile},
         "oracle": {"engine": engine, "k": k, "rows": oracle_rows},
         "compile_seconds": {eng: lm_.compile_seconds for eng, lm_ in lms.items()},
+        "step_overhead": overhead,
         "notes": notes,
     }
     with staged_output(out, cfg.overwrite) as tmp:  # a report another run wrote meanwhile is kept
