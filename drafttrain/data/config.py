@@ -14,6 +14,7 @@ from ..errors import UserError
 from ..home import drafttrain_home
 
 SOURCE_KINDS = ("jsonl", "hf", "self_instruct")
+GENERATORS = ("drafttrain", "vllm")
 
 
 def default_data_cache_dir() -> str:
@@ -73,7 +74,14 @@ class DataConfig:
     max_response_tokens: int = setting(128, doc="longest response the target writes", at_least=1)
     max_seq_len: int = setting(
         512, doc="longest training sequence (prompt + response); longer prompts are dropped", at_least=1)
-    generation_batch_size: int = setting(16, doc="prompts per batched generate call", at_least=1)
+    generator: Literal["drafttrain", "vllm"] = setting(
+        "drafttrain", doc="what writes the target's answers: drafttrain (its own engines; under `accelerate launch` "
+                          "every rank writes a share of the prompts) or vllm (vLLM's offline engine, on the main "
+                          "process; needs vLLM installed: pip install 'drafttrain[vllm]' or "
+                          "bash scripts/setup_vllm.sh)", choices=GENERATORS)
+    generation_batch_size: int | None = setting(
+        None, doc="prompts per batch of the target's answers (and of self-instruct prompts); null: the batch "
+                  "that writes answers fastest, measured on a few sizes before writing", at_least=1)
     store_topk: int = setting(
         0, doc="0: store only response tokens; k > 0: also the target's k most likely tokens and "
                "their log-probs (temperature 1) at each response position, for offline distillation", at_least=0)
@@ -92,3 +100,9 @@ class DataConfig:
         for src in self.sources:
             src.validate()
         check_settings(self, lambda key: f"data.{key}")
+        if self.generator == "vllm":
+            from ..evaluation.vllm_backend import INSTALL, vllm_version
+
+            if vllm_version() is None:
+                raise UserError(f"data.generator=vllm needs vLLM, which is not installed here: {INSTALL}; "
+                                "or set data.generator=drafttrain")

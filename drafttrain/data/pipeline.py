@@ -11,6 +11,7 @@ from ..prompts import PromptRecord, encode_prompt
 from ..tokens import eos_token_ids
 from .config import DataConfig
 from .generation import generate_responses, target_fingerprint
+from .ranks import SINGLE, Ranks
 from .sources import load_prompts_from_source, split_heldout
 
 
@@ -21,9 +22,10 @@ class TrainingData:
 
 
 def prepare_distillation_data(cfg: DataConfig, target_model, tokenizer, *, target_path: str,
-                              fingerprint: str | None = None) -> TrainingData:
+                              fingerprint: str | None = None, ranks: Ranks = SINGLE) -> TrainingData:
     """`fingerprint`: the target's `target_fingerprint`, when it was taken before the target was
-    sharded (a sharded model's weights cannot be sampled outside its forward)."""
+    sharded (a sharded model's weights cannot be sampled outside its forward). `ranks`: the
+    processes that write the self-instruct prompts and the answers together (collective)."""
     cfg.validate()
     if not cfg.sources:
         raise UserError("data.sources is empty; add at least one prompt source (jsonl, hf or self_instruct)")
@@ -32,7 +34,7 @@ def prepare_distillation_data(cfg: DataConfig, target_model, tokenizer, *, targe
     for src in cfg.sources:
         records += load_prompts_from_source(src, tokenizer, target_model, seed=cfg.seed,
                                             batch_size=cfg.generation_batch_size, cache_dir=cfg.cache_dir,
-                                            target_fingerprint=fingerprint)
+                                            target_fingerprint=fingerprint, ranks=ranks)
     train, heldout = split_heldout(records, fraction=cfg.heldout_fraction, size=cfg.heldout_size, seed=cfg.seed)
 
     # A prompt must leave room for at least one response token, in training and in the model's context.
@@ -49,5 +51,6 @@ def prepare_distillation_data(cfg: DataConfig, target_model, tokenizer, *, targe
                         "add prompts, lower heldout_fraction/heldout_size or raise max_seq_len")
     dataset = generate_responses(target_model, tokenizer, kept, cfg,
                                  eos_token_id=eos_token_ids(tokenizer, target_model, required=True),
-                                 cache_dir=cfg.cache_dir, target_fingerprint=fingerprint)
+                                 cache_dir=cfg.cache_dir, target_fingerprint=fingerprint, ranks=ranks,
+                                 target_path=target_path)
     return TrainingData(train=dataset, heldout=heldout)

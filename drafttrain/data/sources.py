@@ -4,6 +4,7 @@ the held-out split that keeps evaluation prompts out of training."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import warnings
@@ -17,8 +18,11 @@ from ..models import first_line
 from ..prompts import ID_KEYS, PromptRecord, read_prompt_file
 from ..tokens import eos_token_ids, left_pad, pad_token_id
 from .config import PromptSourceConfig
+from .ranks import SINGLE, Ranks
+from .sampling import sampling_kwargs, seed_of
 
 SENTINEL = "XXSENTINELXX"
+SELF_INSTRUCT_BATCH = 32  # rows per batch where data.generation_batch_size is not set
 
 
 def load_prompts_from_source(
@@ -27,26 +31,26 @@ def load_prompts_from_source(
     target_model=None,
     *,
     seed: int = 0,
-    batch_size: int = 16,
+    batch_size: int | None = None,
     cache_dir: str | Path | None = None,
     target_fingerprint: str | None = None,
+    ranks: Ranks = SINGLE,
 ) -> list[PromptRecord]:
     """The first `src.num_prompts` records of one source. Self-instruct prompts are cached under
-    `cache_dir` when both it and `target_fingerprint` are given (writing them costs generation time)."""
+    `cache_dir` when both it and `target_fingerprint` are given (writing them costs generation time),
+    and written by every rank of `ranks` together (collective)."""
     src.validate()
     if src.kind == "jsonl":
         records = read_prompt_file(src.path)
     elif src.kind == "hf":
-        records = _load_hf(src, tokenizer)
+        with ranks.main_first():  # the main process fills `datasets`' cache, the others read it
+            records = _load_hf(src, tokenizer)
     else:
         if target_model is None:
             raise UserError("a self_instruct prompt source needs the target model; load it before the prompts")
-        texts = _cached_self_instruct(src, target_model, tokenizer, seed, batch_size, cache_dir, target_fingerprint)
-        records = [
-            PromptRecord(id=f"self_instruct:{i}", category="self_instruct", source=f"self_instruct:{i}",
-                         messages=[{"role": "user", "content": t}])
-            for i, t in enumerate(texts)
-        ]
+        texts = _cached_self_instruct(src, target_model, tokenizer, seed, batch_size or SELF_INSTRUCT_BATCH,
+                                      cache_dir, target_fingerprint, ranks)
+        records = [self_instruct_record(i, t, tokenizer) for i, t in enumerate(texts)]
     return records[: src.num_prompts] if src.num_prompts is not None else records
 
 
@@ -55,7 +59,7 @@ def load_prompts_from_source(
 def _load_hf(src: PromptSourceConfig, tokenizer) -> list[PromptRecord]:
     import datasets
 
-    if src.chat_template and not getattr(tokenizer, "chat_template", None):
+    if src.chat_template and not has_chat_template(tokenizer):
         raise UserError(f"{src.path}: the target tokenizer has no chat template; "
                         "set chat_template: false to tokenize the prompts verbatim")
     try:
@@ -132,11 +136,40 @@ def _fill_from_value(record: PromptRecord, value, chat_template: bool) -> bool:
 
 # --- self-instruct (Magpie) ---------------------------------------------------------------------
 
+# A base model (a tokenizer without a chat template) is asked in plain text: fed PLAIN_QUESTION it
+# writes a question, ended by a newline (base models rarely emit EOS that early), and a training
+# prompt frames that question the same way and opens the answer, so the target answers it.
+PLAIN_QUESTION, PLAIN_ANSWER = "Question:", "\nAnswer:"
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def self_instruct_record(i: int, text: str, tokenizer) -> PromptRecord:
+    """A user message for an instruct model; for a base model the plain question-and-answer frame
+    its question was written in (a record with messages would need the template it lacks)."""
+    record = PromptRecord(id=f"self_instruct:{i}", category="self_instruct", source=f"self_instruct:{i}")
+    if has_chat_template(tokenizer):
+        record.messages = [{"role": "user", "content": text}]
+    else:
+        record.text = f"{PLAIN_QUESTION} {text}{PLAIN_ANSWER}"
+    return record
+
+
+def self_instruct_prefix(tokenizer) -> list[int]:
+    """What the target is fed to write a prompt: the start of a user turn (chat template), else
+    PLAIN_QUESTION with the tokenizer's own special tokens (Gemma's BOS), as any plain prompt gets."""
+    if has_chat_template(tokenizer):
+        return tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
+    return tokenizer(PLAIN_QUESTION)["input_ids"]
+
+
 def user_turn_prefix(tokenizer) -> str:
     """Everything the chat template renders before a user's words (system prompt, BOS, role header):
     an instruct model fed only this continues with a plausible user request (Magpie, Xu et al. 2024)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError("self_instruct needs a target tokenizer with a chat template; use a jsonl or hf source")
+    if not has_chat_template(tokenizer):
+        raise UserError("this target tokenizer has no chat template, so it has no user turn to start")
     text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
                                          add_generation_prompt=False)
     cut = text.find(SENTINEL)
@@ -158,31 +191,28 @@ def self_instruct_prompts(
     batch_size: int = 16,
     min_chars: int = 8,
     max_batches: int | None = None,
+    ranks: Ranks = SINGLE,
 ) -> list[str]:
-    """Up to `n` distinct prompts sampled from the instruct model's own idea of a user turn.
-    Stops after `max_batches` generate calls (default: 4x what n needs, at least 10) and warns if short."""
+    """Up to `n` distinct prompts sampled from the model's own idea of a user turn (a base model's:
+    of a question, see PLAIN_QUESTION): the first n distinct ones in row order, row r sampled from its own seed, so neither the batch size
+    nor the number of ranks changes them (ranks write one batch each per round, collectively).
+    Stops after `max_batches` batches (default: 4x what n needs, at least 10) and warns if short."""
     from tqdm.auto import tqdm
 
     if temperature <= 0:
         raise UserError(f"self_instruct needs temperature > 0 (got {temperature}); greedy gives one prompt")
-    prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
-    eos_ids = eos_token_ids(tokenizer, model, required=True)
-    pad_id = pad_token_id(tokenizer, model)
-    device = next(model.parameters()).device
-    input_ids, attention_mask = left_pad([prefix] * batch_size, pad_id, device)  # identical rows: no padding
+    prefix = self_instruct_prefix(tokenizer)
+    batch = _SelfInstructBatch(model, tokenizer, prefix, batch_size, temperature, top_p, max_prompt_tokens, seed,
+                               min_chars)
     max_batches = max_batches or max(10, 4 * math.ceil(n / batch_size))
     prompts: list[str] = []
     seen: set[str] = set()
-    with tqdm(total=n, desc="self-instruct prompts", unit="prompt") as bar, \
-            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
-        torch.manual_seed(seed)
-        for _ in range(max_batches):
-            out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature,
-                top_p=top_p, top_k=0, max_new_tokens=max_prompt_tokens, eos_token_id=eos_ids, pad_token_id=pad_id,
-            )
-            for row in out[:, len(prefix):].tolist():
-                text = extract_prompt(row, eos_ids, tokenizer, min_chars)
+    with tqdm(total=n, desc="self-instruct prompts", unit="prompt", disable=not ranks.main) as bar:
+        for first in range(0, max_batches, ranks.workers):
+            j = first + ranks.share
+            texts = batch(j) if j < max_batches else []
+            gathered = ranks.all_gather(texts) if ranks.workers > 1 else [texts]  # batch order: rank order
+            for text in itertools.chain.from_iterable(gathered):
                 key = " ".join(text.split()) if text else ""
                 if key and key not in seen and len(prompts) < n:
                     seen.add(key)
@@ -196,31 +226,67 @@ def self_instruct_prompts(
     return prompts
 
 
-def extract_prompt(tokens: list[int], eos_ids: list[int], tokenizer, min_chars: int) -> str | None:
-    """The user text before the end of turn; None if the model never ended it (truncated) or it is too short."""
+class _SelfInstructBatch:
+    """Batch j of self-instruct rows: the prefix (`self_instruct_prefix`) continued, row r of the whole run (j *
+    batch size + r) from its own seed; the extracted prompt of each row, or None."""
+
+    def __init__(self, model, tokenizer, prefix, batch_size, temperature, top_p, max_prompt_tokens, seed, min_chars):
+        self.model, self.tokenizer, self.prefix, self.rows = model, tokenizer, prefix, batch_size
+        self.temperature, self.top_p, self.max_new, self.seed, self.min_chars = (
+            temperature, top_p, max_prompt_tokens, seed, min_chars)
+        self.eos_ids = eos_token_ids(tokenizer, model, required=True)
+        self.stop = None if has_chat_template(tokenizer) else "\n"  # a base model's question ends its line
+        self.pad_id = pad_token_id(tokenizer, model)
+        device = next(model.parameters()).device
+        self.input_ids, self.attention_mask = left_pad([prefix] * batch_size, self.pad_id, device)  # no padding
+
+    @torch.inference_mode()
+    def __call__(self, j: int) -> list[str | None]:
+        seeds = [seed_of(self.seed, "self_instruct", j * self.rows + r) for r in range(self.rows)]
+        out = self.model.generate(
+            input_ids=self.input_ids, attention_mask=self.attention_mask, max_new_tokens=self.max_new,
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            **sampling_kwargs(seeds, len(self.prefix), self.temperature, self.top_p))
+        return [extract_prompt(row, self.eos_ids, self.tokenizer, self.min_chars, self.stop)
+                for row in out[:, len(self.prefix):].tolist()]
+
+
+def extract_prompt(tokens: list[int], eos_ids: list[int], tokenizer, min_chars: int,
+                   stop: str | None = None) -> str | None:
+    """The user text before the end of turn (EOS, or the first `stop` string); None if the model
+    never ended it (truncated) or it is too short."""
     eos = set(eos_ids)
     end = next((t for t, tok in enumerate(tokens) if tok in eos), None)
-    if end is None:
+    text = tokenizer.decode(tokens[:end], skip_special_tokens=True)
+    cut = text.find(stop) if stop else -1
+    if cut >= 0:
+        text = text[:cut]
+    elif end is None:
         return None
-    text = tokenizer.decode(tokens[:end], skip_special_tokens=True).strip()
+    text = text.strip()
     return text if len(text) >= max(min_chars, 1) else None
 
 
-def _cached_self_instruct(src, model, tokenizer, seed, batch_size, cache_dir, fingerprint) -> list[str]:
+def _cached_self_instruct(src, model, tokenizer, seed, batch_size, cache_dir, fingerprint, ranks: Ranks) -> list[str]:
+    # "sampler": rows sampled from seeds of their own (data.sampling); before, one stream per run.
     settings = {"target": fingerprint, "n": src.num_prompts, "temperature": src.temperature, "top_p": src.top_p,
                 "max_prompt_tokens": src.max_prompt_tokens, "min_chars": src.min_prompt_chars, "seed": seed,
-                "batch_size": batch_size}
+                "sampler": "per-row"}
+    if not has_chat_template(tokenizer):  # only here: the keys of prompts cached from chat templates stay as they were
+        settings["frame"] = PLAIN_QUESTION
     path = None
     if cache_dir is not None and fingerprint is not None:
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
         path = Path(cache_dir) / f"self_instruct-{key}.json"
-        if path.is_file():
-            return json.loads(path.read_text())["prompts"]
+        cached = ranks.broadcast(json.loads(path.read_text())["prompts"] if ranks.main and path.is_file() else None)
+        if cached is not None:
+            return cached
     prompts = self_instruct_prompts(
         model, tokenizer, src.num_prompts, temperature=src.temperature, top_p=src.top_p,
         max_prompt_tokens=src.max_prompt_tokens, seed=seed, batch_size=batch_size, min_chars=src.min_prompt_chars,
+        ranks=ranks,
     )
-    if path is not None:
+    if path is not None and ranks.main:
         atomic_write_json(path, {"settings": settings, "prompts": prompts})
     return prompts
 

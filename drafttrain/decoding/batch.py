@@ -6,7 +6,8 @@ row writes its next token at the same cache slot, so one fixed-shape [B, 1] step
 captured as a CUDA graph on CUDA) serves the whole answer. Rows stop at their own EOS; the batch
 stops when all rows have (or at max_new_tokens), and what a finished row generated after its EOS
 is cut. Greedy rows equal each prompt decoded alone; sampled rows follow the target's
-temperature/top-p distribution with a seeded generator.
+temperature/top-p distribution, each row drawing from its own seed (`sample_rows`), so a row's
+answer does not depend on the batch it was put in.
 """
 
 from __future__ import annotations
@@ -17,10 +18,49 @@ import torch
 
 from ..errors import UserError
 from ..tokens import cut_at_eos
-from .verify import probabilities, sample
+from .verify import probabilities
 from .engines.base import synchronize
 from .engines.compiled import WARMUP_RUNS
 from .engines.static import StaticLM
+
+
+def _int64(value: int) -> int:
+    """`value` modulo 2**64, as the signed int64 with the same bits."""
+    value %= 1 << 64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+GOLDEN, MIX1, MIX2 = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)  # a logical shift: torch shifts int64 arithmetically
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (products wrap): integer arithmetic, so the same
+    bits on every device."""
+    x = (x ^ _shr(x, 30)) * MIX1
+    x = (x ^ _shr(x, 27)) * MIX2
+    return x ^ _shr(x, 31)
+
+
+def row_race(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[B, vocab] Exp(1) variables, each a pure function of its row's seed, the step and the token
+    (a counter-based generator): a row draws the same numbers whatever batch, rank or device it is
+    in, with no generator state to carry, and in one vectorised pass for the whole batch."""
+    row = _mix(seeds.to(torch.long).view(-1, 1) + _int64(GOLDEN * (step + 1)))
+    tokens = _mix(torch.arange(1, vocab + 1, device=seeds.device, dtype=torch.long) * GOLDEN)
+    bits = _shr(_mix(row ^ tokens), 11)                      # 53 random bits
+    uniform = (bits.to(torch.float64) + 0.5) / float(1 << 53)  # in (0, 1), never 0 or 1
+    return -uniform.log()
+
+
+def sample_rows(probs: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One token per row of `probs` [B, V]: argmax(p / E) with E ~ Exp(1) picks token i with
+    probability p_i (the exponential race, as `verify.sample`), E from the row's own `seeds` [B]."""
+    race = row_race(seeds.to(probs.device), step, probs.shape[-1])
+    return (probs.to(torch.float64) / race).argmax(dim=-1)
 
 
 class BatchGenerator:
@@ -62,14 +102,17 @@ class BatchGenerator:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                  eos_token_ids, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None, topk: int = 0):
+                 seeds: torch.Tensor | None = None, topk: int = 0):
         """Left-padded `input_ids`/`attention_mask` [b, W] (b <= batch size) -> (new tokens per row,
         each cut after its first EOS; top-k log-probs [b, steps, k] and their ids, float32/long on
-        the CPU, or None): the target's raw (temperature 1) log-softmax at each generated position."""
+        the CPU, or None): the target's raw (temperature 1) log-softmax at each generated position.
+        Sampling (temperature > 0) needs `seeds` [b], one per row (`sample_rows`)."""
         b, width = input_ids.shape
         B = self.batch_size
         if b > B:
             raise ValueError(f"{b} prompts do not fit a batch of {B}")
+        if temperature > 0 and (seeds is None or len(seeds) != b):
+            raise ValueError("sampling needs one seed per row")
         if width + max_new_tokens > self.lm.max_length:
             raise UserError(f"a prompt of {width} tokens plus {max_new_tokens} new exceeds the generator's "
                             f"max_length {self.lm.max_length}; build it with a larger max_length")
@@ -83,6 +126,9 @@ class BatchGenerator:
         key_valid = torch.ones(B, self.lm.capacity, dtype=torch.bool, device=self.device)
         key_valid[:, :width] = valid
         eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
+        if seeds is not None:  # the batch's padding rows draw too; what they draw is dropped
+            seeds = torch.cat([seeds.to(self.device, torch.long),
+                               torch.zeros(B - b, dtype=torch.long, device=self.device)])
 
         self.lm.reset()
         logits, _ = self.lm.run(tokens, positions, self.lm.causal(width), key_valid=key_valid)  # prefill
@@ -96,7 +142,7 @@ class BatchGenerator:
             if temperature == 0:
                 token = last.argmax(dim=-1)
             else:
-                token = sample(probabilities(last, temperature, top_p), generator)
+                token = sample_rows(probabilities(last, temperature, top_p), seeds, step)
             if topk:
                 logprobs = last.to(torch.promote_types(last.dtype, torch.float32)).log_softmax(-1)
                 values, ids = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)

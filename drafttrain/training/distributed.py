@@ -136,6 +136,18 @@ def raise_if_any(accelerator, error: str | None) -> None:
         raise UserError(error)
 
 
+def answer_ranks(accelerator, *, lockstep: bool = False):
+    """The launch's processes as the data pipeline sees them (`data.ranks.Ranks`), so that every
+    rank writes a share of the target's answers. `lockstep`: a target sharded across the ranks,
+    whose every forward they must run together."""
+    from ..data.ranks import Ranks
+
+    return Ranks(rank=accelerator.process_index, size=accelerator.num_processes,
+                 broadcast=lambda obj: broadcast(accelerator, obj),
+                 all_gather=lambda obj: gather_object([obj]) if accelerator.num_processes > 1 else [obj],
+                 barrier=accelerator.wait_for_everyone, lockstep=lockstep)
+
+
 def any_rank(accelerator, flag: torch.Tensor) -> bool:
     """Collective: True if the boolean tensor `flag` is true on any rank."""
     value = flag.detach().to(accelerator.device, torch.float32).reshape(1)

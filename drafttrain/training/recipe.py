@@ -10,7 +10,7 @@ A recipe (`recipes/distill.py`, `recipes/train_heads.py`, ...) is a `Recipe` sub
       load_models()          <- the recipe      (target, and whatever can fail to load)
       start the output directory                (--overwrite clears, leftovers go, config.yaml)
       save_initial()         <- the recipe      (e.g. the untrained draft, exported)
-      prepare the data                          (the target's answers; held-out prompts)
+      prepare the data                          (the target's answers, every rank a share; held-out prompts)
       make_collator(), build_trainable()  <- the recipe
     train()
       the generic loop (training.trainer) with the recipe's loss() and evaluate()
@@ -27,7 +27,6 @@ that fails before the output directory is started leaves no trace; every failure
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -50,7 +49,7 @@ from ..models import DTYPES, check_model_path, first_line, load_causal_lm, load_
 from ..prompts import EncodedPrompt
 from ..tokens import eos_token_ids, pad_token_id
 from .config import OptimConfig, TrainConfig
-from .distributed import build_accelerator, close_process_group, is_sharded, zero3_init_disabled
+from .distributed import answer_ranks, build_accelerator, close_process_group, is_sharded, zero3_init_disabled
 from .frozen import local_fraction, shard_frozen
 from .acceptance import eval_prompts
 from .run_dir import RunDirectory
@@ -253,12 +252,11 @@ class Recipe:
         prompts (saved to heldout.jsonl for `drafttrain eval`) and the first of them that
         evaluation decodes."""
         cfg = self.config
-        # The main process generates the answers (or reads them from the cache), the others then read
-        # the cache; a sharded target generates on every rank together (the first copy is cached).
-        first = contextlib.nullcontext() if self.target_sharded else self.accelerator.main_process_first()
-        with first:
-            data = prepare_distillation_data(cfg.data, self.target, self.tokenizer, target_path=cfg.target,
-                                             fingerprint=self.target_fingerprint)
+        # Every rank writes a share of the answers (data.shards); a sharded target's ranks run every
+        # forward together and the main process writes.
+        ranks = answer_ranks(self.accelerator, lockstep=self.target_sharded)
+        data = prepare_distillation_data(cfg.data, self.target, self.tokenizer, target_path=cfg.target,
+                                         fingerprint=self.target_fingerprint, ranks=ranks)
         if self.main:
             write_prompts_jsonl(self.out / "heldout.jsonl", data.heldout)
         prompts = eval_prompts(data.heldout, self.tokenizer, self.target, num_prompts=cfg.eval.num_prompts,

@@ -7,7 +7,10 @@ import torch
 
 from drafttrain.config import from_dict
 from drafttrain.data.config import DataConfig, PromptSourceConfig
+from drafttrain.data.sampling import RowSampling
 from drafttrain.data.sources import (
+    PLAIN_ANSWER,
+    PLAIN_QUESTION,
     extract_prompt,
     load_prompts_from_source,
     prompt_key,
@@ -127,7 +130,7 @@ def test_user_turn_prefix_needs_a_template(tiny_tokenizer):
 
     plain = copy.deepcopy(tiny_tokenizer)
     plain.chat_template = None
-    with pytest.raises(UserError, match="chat template"):
+    with pytest.raises(UserError, match="no chat template"):
         user_turn_prefix(plain)
 
 
@@ -148,8 +151,9 @@ def test_self_instruct_prompts_are_unique_and_start_from_the_user_turn(chatty_mo
     def spy(*args, **kwargs):
         seen_inputs.append(kwargs["input_ids"])
         out = real_generate(*args, **kwargs)
-        # The model only ever sees the start of a user turn, and sampling is untruncated.
-        assert kwargs["do_sample"] and kwargs["top_k"] == 0
+        # The model only ever sees the start of a user turn; each row samples from its own seed, untruncated.
+        (sampler,) = kwargs["logits_processor"]
+        assert isinstance(sampler, RowSampling) and sampler.top_p == 1.0 and len(set(sampler.seeds.tolist())) == 8
         return out
 
     monkeypatch.setattr(chatty_model, "generate", spy)
@@ -189,6 +193,55 @@ def test_self_instruct_source_is_cached(chatty_model, tiny_tokenizer, tmp_path, 
     assert load_prompts_from_source(src, tiny_tokenizer, chatty_model, **kwargs) == records
     with pytest.raises(UserError, match="needs the target model"):
         load_prompts_from_source(src, tiny_tokenizer, None)
+
+
+@pytest.fixture
+def base_tokenizer(tiny_tokenizer):
+    """The tiny tokenizer as a base model's: no chat template."""
+    import copy
+
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = None
+    return plain
+
+
+class LineTokenizer:
+    """Token i decodes to WORDS[i]: enough to write a newline, which the word-level tokenizer cannot."""
+    WORDS = ["<eos>", "how", "do", "I", "sort", "?", "\n", "Answer"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.WORDS[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
+def test_a_base_models_prompt_ends_at_its_first_newline():
+    tok, eos = LineTokenizer(), [0]
+    assert extract_prompt([1, 2, 3, 4, 5, 6, 7, 1], eos, tok, 2, stop="\n") == "how do I sort ?"
+    assert extract_prompt([1, 2, 3, 0, 6, 4], eos, tok, 2, stop="\n") == "how do I"   # EOS ends it too
+    assert extract_prompt([1, 2, 3, 4], eos, tok, 2, stop="\n") is None                 # never ended
+    assert extract_prompt([6, 1, 2], eos, tok, 1, stop="\n") is None                    # empty
+
+
+def test_self_instruct_on_a_base_model_writes_plain_questions(chatty_model, base_tokenizer, tmp_path, monkeypatch):
+    """No chat template: the target continues PLAIN_QUESTION (after its special tokens), and each
+    prompt becomes a plain question-and-answer text that encodes without a template."""
+    seen_inputs = []
+    real_generate = chatty_model.generate
+
+    def spy(*args, **kwargs):
+        seen_inputs.append(kwargs["input_ids"])
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(chatty_model, "generate", spy)
+    src = PromptSourceConfig(kind="self_instruct", num_prompts=3, max_prompt_tokens=24, min_prompt_chars=2)
+    records = load_prompts_from_source(src, base_tokenizer, chatty_model, seed=1, batch_size=8,
+                                       cache_dir=tmp_path, target_fingerprint="fp")
+    assert len(records) == 3 and all(r.messages is None for r in records)
+    assert all(r.text.startswith(PLAIN_QUESTION + " ") and r.text.endswith(PLAIN_ANSWER) for r in records)
+    prefix = base_tokenizer(PLAIN_QUESTION)["input_ids"]
+    assert seen_inputs and all(x.tolist() == [prefix] * 8 for x in seen_inputs)
+    assert all(encode_prompt(r, base_tokenizer) for r in records)
+    cached = json.loads(next(tmp_path.glob("self_instruct-*.json")).read_text())
+    assert cached["settings"]["frame"] == PLAIN_QUESTION  # never mistaken for a chat model's prompts
 
 
 # --- held-out split -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Batched static-cache generation (the recipes' target answers): greedy rows equal each prompt
 decoded alone by `generate()`, top-k log-probs equal a full forward's, sampled rows follow the
-target's distribution; and the hook in data/generation."""
+target's distribution, each from its own seed whatever its batch; and the hook in data/generation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 from sampling_reference import V, chi2_pvalue, exact_two_token_distribution
 from tiny import tiny_lm, tiny_tokenizer
 
-from drafttrain.data.generation import cache_key, cut_at_eos, generate_responses, left_pad
-from drafttrain.decoding.batch import BatchGenerator
+from drafttrain.data.generation import cache_key, generate_responses
+from drafttrain.decoding.batch import BatchGenerator, row_race
+from drafttrain.tokens import cut_at_eos, left_pad
 from drafttrain.prompts import PromptRecord
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14], [15, 16, 17], [40, 41, 42, 43]]
@@ -69,22 +70,46 @@ def test_too_long_is_a_clear_error(target):
 def test_sampled_rows_follow_the_target_distribution(temperature, top_p):
     target = tiny_lm(0, vocab_size=V, sharpness=2.0)
     prompt = [1, 3, 1, 3, 1]
-    n = 3000  # one batch: every row is an independent sample of the first two tokens
+    # One batch: every row, with a seed of its own, is an independent sample of the first two tokens. 6000 rows:
+    # with 3000 the check of power below passes or fails by the draw (p from 1e-4 to 1e-7 over seeds).
+    n = 6000
     ids, mask = left_pad([prompt] * n, 0, "cpu")
-    g = torch.Generator().manual_seed(7)
+    seeds = torch.arange(7, 7 + n)
     gen = BatchGenerator(target, batch_size=n, max_length=len(prompt) + 2)
     rows, _, _ = gen.generate(ids, mask, max_new_tokens=2, eos_token_ids=[], temperature=temperature, top_p=top_p,
-                              generator=g)
+                              seeds=seeds)
     counts = {}
     for row in rows:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
     assert chi2_pvalue(counts, exact_two_token_distribution(target, prompt, temperature, top_p, V), n) > 1e-3
     # Power: the same samples reject the distribution at another temperature.
     assert chi2_pvalue(counts, exact_two_token_distribution(target, prompt, temperature * 2, top_p, V), n) < 1e-6
-    g2 = torch.Generator().manual_seed(7)
     again, _, _ = gen.generate(ids, mask, max_new_tokens=2, eos_token_ids=[], temperature=temperature, top_p=top_p,
-                               generator=g2)
+                               seeds=seeds)
     assert again == rows
+
+
+def test_a_sampled_row_does_not_depend_on_its_batch(target):
+    """Row b draws from its own seed: alone, or in another batch at another place, it samples the same."""
+    ids, mask = left_pad(PROMPTS, 0, "cpu")
+    seeds = torch.tensor([11, 22, 33, 44, 55])
+    gen = BatchGenerator(target, batch_size=8, max_length=ids.shape[1] + MAX_NEW)
+    rows, _, _ = gen.generate(ids, mask, max_new_tokens=MAX_NEW, eos_token_ids=[2], temperature=1.0, seeds=seeds)
+    for b in (0, 3):
+        one_ids, one_mask = left_pad([PROMPTS[b]], 0, "cpu")
+        alone, _, _ = gen.generate(one_ids, one_mask, max_new_tokens=MAX_NEW, eos_token_ids=[2], temperature=1.0,
+                                   seeds=seeds[b:b + 1])
+        assert alone == [rows[b]]
+    assert len(set(map(tuple, rows))) > 1
+
+
+def test_the_race_is_a_pure_function_of_seed_step_and_token():
+    seeds = torch.tensor([3, 2**62, 0])
+    race = row_race(seeds, 5, 40)
+    assert race.shape == (3, 40) and bool((race > 0).all())
+    assert torch.equal(row_race(seeds[1:2], 5, 40), race[1:2])          # alone, the same draws
+    assert not torch.equal(row_race(seeds, 6, 40), race)                 # another step, other draws
+    assert abs(row_race(torch.arange(4000), 0, 64).mean().item() - 1.0) < 0.01  # Exp(1): mean 1
 
 
 # --- the hook in data/generation --------------------------------------------------------------
@@ -99,7 +124,8 @@ def records():
 def data_cfg(tmp_path, **kw):
     from drafttrain.data.config import DataConfig
 
-    return DataConfig(max_response_tokens=MAX_NEW, generation_batch_size=4, cache_dir=str(tmp_path / "cache"), **kw)
+    return DataConfig(**{"max_response_tokens": MAX_NEW, "generation_batch_size": 4, "cache_dir": str(tmp_path / "cache"),
+                         **kw})
 
 
 def test_generate_responses_on_the_static_engine(target, tmp_path, monkeypatch):
@@ -118,9 +144,18 @@ def test_generate_responses_on_the_static_engine(target, tmp_path, monkeypatch):
     assert again["response_ids"] == static["response_ids"]
 
 
-def test_cache_key_names_the_engine_only_for_samples(tmp_path):
+def test_sampled_answers_are_the_same_on_both_engines(target, tmp_path):
+    """Both engines sample a row from its prompt's seed with the same race, so the cache key names
+    no engine (and no batch size): a sample does not depend on either."""
+    tok = tiny_tokenizer()
+    static = generate_responses(target, tok, records(), data_cfg(tmp_path / "s", response_temperature=1.0),
+                                eos_token_id=2, target_fingerprint="fp", engine="static")
+    eager = generate_responses(target, tok, records(), data_cfg(tmp_path / "e", response_temperature=1.0,
+                                                                generation_batch_size=3),
+                               eos_token_id=2, target_fingerprint="fp", engine="eager")
+    assert static["response_ids"] == eager["response_ids"]
     prompts = [[4, 5], [6]]
     greedy, sampled = data_cfg(tmp_path), data_cfg(tmp_path, response_temperature=0.7)
-    assert cache_key("fp", prompts, greedy, [2], "static") == cache_key("fp", prompts, greedy, [2], "eager")
-    assert cache_key("fp", prompts, sampled, [2], "static") != cache_key("fp", prompts, sampled, [2], "eager")
-    assert cache_key("fp", prompts, sampled, [2]) == cache_key("fp", prompts, sampled, [2], "eager")  # CPU keys unchanged
+    assert cache_key("fp", prompts, sampled, [2]) != cache_key("fp", prompts, greedy, [2])
+    assert cache_key("fp", prompts, sampled, [2]) == \
+        cache_key("fp", prompts, data_cfg(tmp_path, response_temperature=0.7, generation_batch_size=None), [2])

@@ -10,6 +10,7 @@ run on the CPU over gloo; DeepSpeed compiles a small communication op on its ver
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -58,3 +59,22 @@ def test_two_processes_end_with_the_weights_of_one(config, reference, assets, tm
         result = launch(config, args)
         assert "resuming from" in result.stdout
         assert_same_weights(load_weights(out / "final"), load_weights(reference / "final"), rtol=1e-5, atol=1e-6)
+
+
+def tree_bytes(root) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_answers_of_one(assets, tmp_path):
+    """Under `accelerate launch` every rank writes a share of the target's answers (data.shards) into
+    the cache entry one process writes, byte for byte; the log says how fast answers were written."""
+    common = ["train.max_steps=2", "train.eval_every=0", "train.checkpoint_every=2", "eval.num_prompts=2",
+              "data.generation_batch_size=8", "data.store_topk=4"]
+    one = run_python_recipe(recipe_args(assets, tmp_path / "one", *common, f"data.cache_dir={tmp_path / 'c1'}"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch("ddp.yaml", recipe_args(assets, tmp_path / "two", *common, f"data.cache_dir={tmp_path / 'c2'}"))
+    assert tree_bytes(tmp_path / "c2") == tree_bytes(tmp_path / "c1")
+    per_rank = [int(n) for n in re.search(r"chunks written per rank \[(\d+), (\d+)\]", two.stdout).groups()]
+    assert min(per_rank) >= 1 and abs(per_rank[0] - per_rank[1]) <= 1  # about half each
+    assert re.search(r"\(\d+\.\d tokens/s\) by 2 process", two.stdout)
