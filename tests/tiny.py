@@ -31,9 +31,13 @@ GEMMA3_LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention"
                       "full_attention")
 
 
+# Gemma-3-270M's own pattern: five sliding layers, then a global one (18 layers: globals 5, 11, 17).
+GEMMA3_270M_LAYER_TYPES = ("sliding_attention",) * 5 + ("full_attention",)
+
+
 def tiny_gemma3(seed: int = 0, vocab_size: int = 64, layers: int = 5, hidden: int = 32, window: int = 4,
                 dtype: torch.dtype = torch.float64, eos_token_id: int = 2, max_positions: int = 256,
-                sharpness: float = 8.0, **extra):
+                sharpness: float = 8.0, pattern: tuple[str, ...] = GEMMA3_LAYER_TYPES, head_dim: int = 16, **extra):
     """A Gemma-3 text model with every part that differs from Llama switched on: sliding and
     global layers (a 4-token window, so short prompts already pass it), local/global rotary bases
     (the global one linearly scaled), q/k norms, `query_pre_attn_scalar` != head_dim, the final
@@ -41,11 +45,11 @@ def tiny_gemma3(seed: int = 0, vocab_size: int = 64, layers: int = 5, hidden: in
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
-    types = [GEMMA3_LAYER_TYPES[i % len(GEMMA3_LAYER_TYPES)] for i in range(layers)]
+    types = [pattern[i % len(pattern)] for i in range(layers)]
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}}
     cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                            query_pre_attn_scalar=24, sliding_window=window, layer_types=types,
                            rope_parameters=rope, final_logit_softcapping=30.0, max_position_embeddings=max_positions,
                            eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=eos_token_id,
@@ -73,6 +77,39 @@ def tiny_tokenizer(vocab_size: int = 64, chat_template: bool = True) -> PreTrain
     if chat_template:
         tok.chat_template = CHATML
     return tok
+
+
+def tiny_causal_lm(arch: str, seed: int = 0, **kw):
+    """`tiny_lm` (arch "llama") or `tiny_gemma3` ("gemma3") with the same arguments: tests that run
+    on both families take the architecture as a parameter."""
+    return (tiny_gemma3 if arch == "gemma3" else tiny_lm)(seed, **kw)
+
+
+GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+
+
+def tiny_gemma3_tokenizer(vocab_size: int = 64, unused: int = 4) -> PreTrainedTokenizerFast:
+    """A base model's tokenizer laid out like Gemma-3's: <pad> <eos> <bos> <unk> <mask>, then
+    `<unused0>` .. as added tokens, then words `w{i}`; BOS added to every text; no chat template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    names = GEMMA3_SPECIALS + [f"<unused{i}>" for i in range(unused)]
+    vocab = {tok: i for i, tok in enumerate(names)} | {f"w{i}": i for i in range(len(names), vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                  unk_token="<unk>", mask_token="<mask>")
+    tok.add_tokens([AddedToken(name, special=True, normalized=False) for name in names[5:]])  # as Gemma's: added,
+    return tok                                                                               # not named special
+
+
+def tiny_gemma3_270m(seed: int = 0, vocab_size: int = 40000, **kw):
+    """Gemma-3-270M's shape where the recipes' choices depend on it (18 layers in its sliding/global
+    pattern, a vocabulary above EAGLE-3's 32k draft vocabulary, EOS 1, BOS 2), everything else tiny:
+    the demo configs run on it unchanged but for their sizes."""
+    return tiny_gemma3(seed, vocab_size=vocab_size, layers=18, hidden=32, pattern=GEMMA3_270M_LAYER_TYPES,
+                       eos_token_id=1, dtype=torch.float32, **kw)
 
 
 def save_pair(path, model, tokenizer):

@@ -42,7 +42,7 @@ def head_topk_accuracy(target, heads: MedusaHeads, prompts: Sequence[Sequence[in
                 if len(seq) - 2 - i <= first:
                     continue
                 positions = torch.arange(first, len(seq) - 2 - i, device=device)
-                guesses = heads.forward_head(i, hidden[positions].to(heads.lm_heads[i].weight.dtype))
+                guesses = heads.forward_head(i, hidden[positions].to(heads.lm_head(i).weight.dtype))
                 guesses = guesses.topk(topk, dim=-1).indices                     # [n, topk]
                 truth = tokens[positions + 2 + i]
                 hits[i] += (guesses == truth[:, None]).double().sum(0).cpu()

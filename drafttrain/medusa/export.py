@@ -7,6 +7,9 @@ So `medusa_fc_bias: true` must be in config.json or vLLM would drop our biases. 
 loader also renames every key containing "num" and "heads" to `num_heads` (and "num" +
 "layers" to `num_hidden_layers`), so no other such key may appear in config.json.
 
+Heads that share one LM head (`MedusaConfig.shared_lm_head`) are saved with `original_lm_head:
+true` and the one `lm_heads.0.weight`, which vLLM loads as the `lm_head` behind every block.
+
 `load_medusa` also reads the original Medusa repository's layout (`{i}.{j}.linear.weight|bias`,
 `{i}.{num_layers}.weight`, config `medusa_num_heads` / `medusa_num_layers`).
 """
@@ -42,7 +45,7 @@ def medusa_config_dict(config: MedusaConfig, dtype: torch.dtype, extra: dict | N
         "num_hidden_layers": config.num_layers,
         "truncated_vocab_size": config.vocab_size,
         "medusa_fc_bias": True,
-        "original_lm_head": False,
+        "original_lm_head": config.shared_lm_head,  # vLLM: one `lm_head` for all heads, read from lm_heads.0
         "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
     }
     for key, value in (extra or {}).items():
@@ -67,7 +70,8 @@ def _model_card(cfg: dict, notes: str | None) -> str:
         "",
         f"{cfg['num_heads']} Medusa heads (Cai et al. 2024) with {cfg['num_hidden_layers']} residual "
         f"block(s) each, for a target with hidden size {cfg['hidden_size']} and vocabulary "
-        f"{cfg['vocab_size']}. Head i predicts the token i + 2 steps past the target's last hidden "
+        f"{cfg['vocab_size']}" + (", all behind one shared LM head" if cfg["original_lm_head"] else "")
+        + ". Head i predicts the token i + 2 steps past the target's last hidden "
         "state. Trained with drafttrain; stored in vLLM's Medusa format.",
         "",
         "```python",
@@ -125,6 +129,14 @@ def _to_vllm_names(state: dict[str, torch.Tensor], num_layers: int) -> dict[str,
     return out
 
 
+def _one_lm_head(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`original_lm_head`, as vLLM reads it: the one head is `lm_head.weight`, else `lm_heads.0.weight`;
+    any other `lm_heads.{i}` is ignored (vLLM has no parameter for it)."""
+    head = state.get("lm_head.weight", state.get("lm_heads.0.weight"))
+    out = {k: v for k, v in state.items() if not k.startswith(("lm_head.", "lm_heads."))}
+    return out | ({"lm_heads.0.weight": head} if head is not None else {})
+
+
 def load_medusa(path, device=None, dtype: torch.dtype | None = None) -> MedusaHeads:
     """Read heads saved by `save_medusa` (or the original Medusa layout); dtype defaults to the file's."""
     path = Path(path)
@@ -153,9 +165,9 @@ def load_medusa(path, device=None, dtype: torch.dtype | None = None) -> MedusaHe
 
     state = _to_vllm_names(_read_weights(path), num_layers)
     state.pop("token_map", None)
-    if cfg.get("original_lm_head") and "lm_heads.0.weight" in state:
-        for i in range(1, num_heads):  # vLLM shares one LM head across all heads in this mode
-            state.setdefault(f"lm_heads.{i}.weight", state["lm_heads.0.weight"])
+    shared = bool(cfg.get("original_lm_head"))
+    if shared:
+        state = _one_lm_head(state)
     if "lm_heads.0.weight" not in state:
         raise UserError(f"{path} weights lack lm_heads.0.weight; pass a Medusa heads directory")
     V, H = state["lm_heads.0.weight"].shape
@@ -164,7 +176,8 @@ def load_medusa(path, device=None, dtype: torch.dtype | None = None) -> MedusaHe
             raise UserError(f"{config_file}: {key} is {cfg[key]} but the weights have {value}; re-export the heads")
 
     file_dtype = state["lm_heads.0.weight"].dtype
-    config = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=num_heads, num_layers=num_layers)
+    config = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=num_heads, num_layers=num_layers,
+                          shared_lm_head=shared)
     heads = MedusaHeads(config, dtype=file_dtype)  # the file's dtype: no lossy round trip
     expected = heads.state_dict()
     for key, value in expected.items():  # vLLM's medusa_fc_bias=false: no biases, i.e. zero biases

@@ -4,7 +4,10 @@ Head i reads the target's final (post-norm) hidden state at position t and predi
 at t + 2 + i: the target itself already predicts t + 1, head 0 guesses one further, and so on.
 
 The module tree is laid out exactly like vLLM's `Medusa` model (`blocks.{i}.layers.{j}` and
-`lm_heads.{i}`), so `state_dict()` *is* the vLLM checkpoint and export needs no renaming.
+`lm_heads.{i}`), so `state_dict()` *is* the vLLM checkpoint and export needs no renaming. With
+`shared_lm_head` there is one `lm_heads.0` behind every block (vLLM's `original_lm_head`): a
+vocab x hidden head per Medusa head is what a large vocabulary cannot afford (Gemma-3's 262k
+tokens: 168M parameters each), while the residual blocks alone tell the heads apart.
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ class MedusaConfig:
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head (vLLM calls it `num_hidden_layers`)
+    shared_lm_head: bool = False  # one LM head for all heads (vLLM's `original_lm_head`)
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not isinstance(value, int) or value < (0 if name == "num_layers" else 1):
+            if name == "shared_lm_head":
+                if not isinstance(value, bool):
+                    raise ValueError(f"MedusaConfig.shared_lm_head must be a bool, got {value!r}")
+            elif not isinstance(value, int) or value < (0 if name == "num_layers" else 1):
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {value!r}")
 
 
@@ -55,7 +62,8 @@ class MedusaHeads(nn.Module):
         factory = {"dtype": dtype, "device": device}
         H, V = config.hidden_size, config.vocab_size
         self.blocks = nn.ModuleList(ResidualBlock(H, config.num_layers, **factory) for _ in range(config.num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(H, V, bias=False, **factory) for _ in range(config.num_heads))
+        count = 1 if config.shared_lm_head else config.num_heads
+        self.lm_heads = nn.ModuleList(nn.Linear(H, V, bias=False, **factory) for _ in range(count))
         self.reset_parameters(lm_head_weight)
 
     @torch.no_grad()
@@ -77,22 +85,29 @@ class MedusaHeads(nn.Module):
                 head.weight.copy_(lm_head_weight)
 
     @classmethod
-    def from_target(cls, target: nn.Module, num_heads: int = 4, num_layers: int = 1) -> "MedusaHeads":
+    def from_target(cls, target: nn.Module, num_heads: int = 4, num_layers: int = 1,
+                    shared_lm_head: bool = False) -> "MedusaHeads":
         """Fresh heads for a Hugging Face causal LM, on its device and in its dtype."""
         lm_head = target.get_output_embeddings()
         if lm_head is None or getattr(lm_head, "bias", None) is not None:
             raise ValueError("the target needs a bias-free output projection (get_output_embeddings())")
         weight = lm_head.weight.detach()
         config = MedusaConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0],
-                              num_heads=num_heads, num_layers=num_layers)
+                              num_heads=num_heads, num_layers=num_layers, shared_lm_head=shared_lm_head)
         return cls(config, lm_head_weight=weight)
+
+    def lm_head(self, i: int) -> nn.Linear:
+        return self.lm_heads[0 if self.config.shared_lm_head else i]
 
     def forward_head(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] of head i alone (lets a trainer compute one head's loss at a time)."""
-        return self.lm_heads[i](self.blocks[i](hidden))
+        return self.lm_head(i)(self.blocks[i](hidden))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] (the target's last, post-norm hidden state) -> logits [num_heads, ..., V]."""
+        """hidden [..., H] (the target's last, post-norm hidden state) -> logits [num_heads, ..., V].
+        A shared LM head runs once over every block's output: its weight is read once, not per head."""
+        if self.config.shared_lm_head:
+            return self.lm_heads[0](torch.stack([block(hidden) for block in self.blocks]))
         return torch.stack([self.forward_head(i, hidden) for i in range(self.config.num_heads)])
 
     @torch.no_grad()

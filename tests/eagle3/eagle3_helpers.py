@@ -11,7 +11,7 @@ from drafttrain.data.collate import TrainingCollator
 from drafttrain.eagle3.loss import eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden
 from drafttrain.eagle3.model import Eagle3Draft, RMSNorm
 from drafttrain.eagle3.vocab import build_draft_vocab
-from tiny import greedy_reference, tiny_gemma3, tiny_lm
+from tiny import greedy_reference, tiny_causal_lm
 
 VOCAB = 64
 LAYERS = 7  # default aux layers (2, 3, 4)
@@ -20,8 +20,7 @@ EOS = 2
 
 def tiny_target(seed: int = 0, arch: str = "llama", **kw):
     """A Llama, or a Gemma-3 (sliding and global layers, a 4-token window) of the same sizes."""
-    build = tiny_gemma3 if arch == "gemma3" else tiny_lm
-    return build(seed=seed, vocab_size=VOCAB, layers=LAYERS, **kw)
+    return tiny_causal_lm(arch, seed, vocab_size=VOCAB, layers=LAYERS, **kw)
 
 
 def tiny_draft(target, draft_vocab_size: int = 40, seed: int = 1, scale: float = 1.0,

@@ -22,7 +22,7 @@ from drafttrain.decoding.drafters.eagle3 import eagle3_decoder, Eagle3TreeDrafte
 from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
 from drafttrain.planning import accepted_within
 from drafttrain.trees import resolve_tree, tree_from_parents
-from tiny import greedy_reference, tiny_lm
+from tiny import greedy_reference, tiny_causal_lm
 
 EOS = 2
 PROMPTS = [[5, 9, 13, 7, 5, 9], [40, 41], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]]
@@ -196,11 +196,11 @@ V = 6
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
-def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,arch", [(1.0, 1.0, "llama"), (0.8, 0.9, "llama"), (0.8, 0.9, "gemma3")])
+def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temperature, top_p, arch):
     """The draft knows 4 of the 6 tokens: q is 0 on the other two, and they must still come out
     exactly as often as the target says (through the residual distribution)."""
-    target = tiny_lm(0, vocab_size=V, layers=7, sharpness=2.0)
+    target = tiny_causal_lm(arch, 0, vocab_size=V, layers=7, sharpness=2.0)
     draft = tiny_draft(target, draft_vocab_size=4, vocab_size=V, scale=0.6)
     outside = set(range(V)) - set(draft.draft_target_ids.tolist())
     prompt = [1, 3, 1, 3, 1]

@@ -165,3 +165,44 @@ def test_load_vllm_heads_without_bias(tmp_path):
         expected = (x + torch.nn.functional.silu(z)) @ sd[f"lm_heads.{i}.weight"].T
         with torch.no_grad():
             torch.testing.assert_close(loaded(x)[i], expected)
+
+
+def test_shared_lm_head_is_one_tensor_as_vllm_reads_it(tmp_path):
+    """shared_lm_head: one `lm_heads.0.weight` and `original_lm_head: true` (vLLM then builds one
+    `lm_head` behind every block); it loads back shared, computing the same logits."""
+    lm = torch.randn(V, H, dtype=torch.float64)
+    heads = MedusaHeads(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=3, num_layers=1, shared_lm_head=True),
+                        lm_head_weight=lm)
+    randomize_blocks(heads)
+    out = save_medusa(heads, tmp_path / "h")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["original_lm_head"] is True and cfg["num_heads"] == 3
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(k for k in f.keys() if "lm_head" in k) == ["lm_heads.0.weight"]
+    loaded = load_medusa(out)
+    assert loaded.config.shared_lm_head and len(loaded.lm_heads) == 1
+    x = torch.randn(4, H, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), heads(x))
+
+
+def test_original_lm_head_checkpoints_from_elsewhere_load_shared(tmp_path):
+    """vLLM's own names in that mode: `lm_head.weight` is the one head, extra `lm_heads.{i}` are ignored."""
+    ref = random_heads(num_heads=2, num_layers=1, dtype=torch.float64)
+    sd = ref.state_dict()
+    d = tmp_path / "vllm"
+    d.mkdir()
+    save_file({**{k: v for k, v in sd.items() if k.startswith("blocks.")}, "lm_head.weight": sd["lm_heads.1.weight"],
+               "lm_heads.0.weight": sd["lm_heads.0.weight"]}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"model_type": "medusa", "hidden_size": H, "vocab_size": V,
+                                               "num_heads": 2, "num_hidden_layers": 1, "medusa_fc_bias": True,
+                                               "original_lm_head": True}))
+    loaded = load_medusa(d)
+    assert len(loaded.lm_heads) == 1 and torch.equal(loaded.lm_heads[0].weight, sd["lm_heads.1.weight"])
+
+
+def randomize_blocks(heads: MedusaHeads, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.blocks.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)

@@ -99,3 +99,22 @@ def test_config_validation_and_lm_head_shape():
     MedusaConfig(hidden_size=4, vocab_size=5, num_heads=1, num_layers=0)  # lm heads only: allowed
     with pytest.raises(ValueError, match="shape"):
         MedusaHeads(MedusaConfig(hidden_size=4, vocab_size=5), lm_head_weight=torch.zeros(4, 5))
+
+
+def test_a_shared_lm_head_is_the_targets_behind_every_block():
+    """One vocab x hidden head for all heads: each head is still its own block then that head, and
+    the batched forward (one pass over the head's weight) equals head-by-head."""
+    target = tiny_llama()
+    heads = randomize(MedusaHeads.from_target(target, num_heads=3, num_layers=2, shared_lm_head=True))
+    with torch.no_grad():
+        heads.lm_heads[0].weight.copy_(target.lm_head.weight)
+    assert len(heads.lm_heads) == 1 and "lm_heads.1.weight" not in heads.state_dict()
+    assert sum(p.numel() for p in heads.parameters()) == 96 * 32 + 3 * 2 * (32 * 32 + 32)
+    h = torch.randn(5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        logits = heads(h)
+        for i in range(3):
+            torch.testing.assert_close(logits[i], heads.forward_head(i, h), rtol=0, atol=1e-12)
+            torch.testing.assert_close(logits[i], target.lm_head(heads.blocks[i](h)), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="shared_lm_head"):
+        MedusaConfig(hidden_size=4, vocab_size=5, shared_lm_head=1)
