@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from .config import add_flags, from_args, setting
 from .errors import UserError
 from .tokens import eos_token_ids, output_vocab_size
 
@@ -63,10 +64,17 @@ def require_compatible(checks: list[Check]) -> None:
                             "use a draft trained with the target's tokenizer")
 
 
+@dataclass(kw_only=True)
+class PreflightConfig:
+    """`drafttrain preflight`: its flags, declared once (`config.setting`)."""
+
+    target: str = setting(doc="Target model: a local directory or a hub id.", metavar="T")
+    draft: str = setting(doc="Draft model to check against the target: a directory or hub id.", metavar="DIR")
+
+
 def add_cli(sub) -> None:
     p = sub.add_parser("preflight", help="check that a draft can be used with a target")
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True)
+    add_flags(p, PreflightConfig)
     p.set_defaults(func=run_cli)
 
 
@@ -75,10 +83,11 @@ def run_cli(args: argparse.Namespace) -> int:
 
     from .models import load_causal_lm, load_tokenizer
 
-    target_tok, draft_tok = load_tokenizer(args.target, "target"), load_tokenizer(args.draft, "draft")
+    cfg = from_args(PreflightConfig, args)
+    target_tok, draft_tok = load_tokenizer(cfg.target, "target"), load_tokenizer(cfg.draft, "draft")
     cpu = torch.device("cpu")
-    target = load_causal_lm(args.target, torch.float32, cpu, "target")
-    draft = load_causal_lm(args.draft, torch.float32, cpu, "draft")
+    target = load_causal_lm(cfg.target, torch.float32, cpu, "target")
+    draft = load_causal_lm(cfg.draft, torch.float32, cpu, "draft")
     checks = compatibility_checks(target, target_tok, draft, draft_tok)
     for check in checks:
         print(f"[{'ok' if check.ok else 'FAIL'}] {check.name}: {check.detail}")

@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from ..decoding import StaticLM, cached_lm, resolve_engine, static_support
 from ..errors import UserError
+from ..evaluation.metrics import expected_tokens_per_step
 from ..evaluation.summary import environment
 from ..evaluation.outputs import staged_output
 from ..fileio import atomic_write_json, atomic_write_text, check_output_dir
@@ -111,7 +112,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         log(f"bench: oracle speculation, alpha {alpha}")
         r = measure.oracle_decoding(lm, references, alpha, k, vocab, prompts, cfg.max_new_tokens, cfg.repeats,
                                     cfg.seed)
-        predicted = (k + 1.0) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        predicted = expected_tokens_per_step(alpha, k)
         measured = r["tokens_per_s"]["median"] / base_rate
         oracle_rows.append({"alpha": alpha, **r, "measured_speedup": measured, "predicted_speedup": predicted,
                             "efficiency": measured / predicted, "predicted_speedup_with_cost": predicted / cost})

@@ -7,11 +7,14 @@ Where things live (read top to bottom for one step):
 - `verify.py`: the acceptance rules (greedy and sampled, chain and tree) that keep it lossless;
 - `chain.py` / `tree.py`: the chain decoder (a `Proposer` drafts K tokens) and the tree decoder
   (a `TreeDrafter` proposes a tree);
-- `drafters/`: one file per drafter kind (draft LM, n-gram, oracle, Medusa, EAGLE-3 and its caches);
-- `factory.py`: the one decoder factory, `build_decoder(target, Drafter(kind, ...), DecodeSettings(...))`.
+- `drafters/`: one file per drafter kind (draft LM, parallel draft, n-gram, suffix, oracle, Medusa,
+  EAGLE-3 and its caches), each declaring its `DrafterKind` once, listed in `drafters.REGISTRY`;
+- `factory.py`: the one decoder factory, `build_decoder(target, Drafter(kind, ...), DecodeSettings(...))`;
+- `timing.py`: what a forward costs on this machine (reports' cost ratios, plans' costs).
 
-A new drafter kind is a file in `drafters/` and a line in `factory.DRAFTERS`; a new acceptance
-rule goes in `verify.py`; a new architecture for the static engine in `engines/static.py`.
+A new drafter kind is a file in `drafters/` and a line in `drafters.REGISTRY`; a new acceptance
+rule is a class in `verify.py` (decoders take it as `rule`); a new architecture for the static
+engine goes in `engines/static.py`.
 """
 
 from .chain import ChainDecoder, NoProposer, Proposer

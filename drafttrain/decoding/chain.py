@@ -2,7 +2,8 @@
 
 Each step sends [pending, d_1..d_k] through the target; the logits at those k+1 positions score
 every draft and give the bonus token. Greedy: the longest draft prefix equal to the target's
-argmax. Sampling: the rejection rule of `verify.verify_sampled` (lossless for any proposer).
+argmax. Sampling: the rejection rule of `verify.verify_sampled` (lossless for any proposer). The
+decoder takes its rule as an object (`verify.Greedy`, `verify.Sampled`): verify.py holds every rule.
 The cache then rolls back to pending plus the accepted drafts (on the static engine: moving a
 length). A proposer that reads the target's hidden states (`Proposer.hidden_layers`) gets those
 of every newly kept position, from the same forward.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from .loop import Decoder, Step, top2_margins
-from .verify import probabilities, verify_greedy, verify_sampled
 
 
 class Proposer:
@@ -67,9 +67,9 @@ class ChainDecoder(Decoder):
 
     def __init__(self, target, proposer: Proposer, *, num_draft_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, eos_token_ids: set[int] = frozenset(),
-                 generator: torch.Generator | None = None, record_margins: bool = False):
+                 generator: torch.Generator | None = None, record_margins: bool = False, rule=None):
         super().__init__(target, temperature=temperature, top_p=top_p, eos_token_ids=eos_token_ids,
-                         generator=generator, record_margins=record_margins)
+                         generator=generator, record_margins=record_margins, rule=rule)
         self.proposer = proposer
         self.k = 0 if isinstance(proposer, NoProposer) else num_draft_tokens
 
@@ -106,12 +106,9 @@ class ChainDecoder(Decoder):
         draft, q = self.proposer.propose(k, self.sequence)
         m = draft.numel()
         logits, hidden = self.target.forward(torch.cat([self.pending, draft]), hidden_layers=self.hidden_layers)
-        if self.temperature == 0:
-            tokens = verify_greedy(draft, logits)
-            verdict = torch.cat([tokens.double(), top2_margins(logits)]) if self.record_margins else tokens
-        else:
-            p = probabilities(logits, self.temperature, self.top_p)
-            tokens = verdict = verify_sampled(draft, q, p, self.generator)
+        tokens = verdict = self.rule.chain(draft, q, logits)
+        if self.record_margins:
+            verdict = torch.cat([tokens.double(), top2_margins(logits)])
         values = verdict.tolist()  # the one host sync of the step
         n = int(values[0])
         emitted = [int(t) for t in values[1:n + 2]]

@@ -22,6 +22,7 @@ import torch
 
 from ..tokens import cut_at_eos
 from .engines import CachedLM, as_cached_lm, device_tensor, synchronize
+from .verify import Greedy, Sampled, acceptance_rule
 
 
 @dataclass
@@ -70,16 +71,16 @@ class Decoder:
 
     def __init__(self, target, *, temperature: float = 0.0, top_p: float = 1.0,
                  eos_token_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
-                 record_margins: bool = False):
-        """`record_margins` (greedy only): keep the target's top-1 minus top-2 logit behind every
-        emitted token in `Generation.margins`."""
-        if record_margins and temperature > 0:
+                 record_margins: bool = False, rule: Greedy | Sampled | None = None):
+        """`rule`: the acceptance rule (`verify.Greedy` or `verify.Sampled`; unset: the one of
+        `temperature`, `top_p` and `generator`). `record_margins` (greedy only): keep the
+        target's top-1 minus top-2 logit behind every emitted token in `Generation.margins`."""
+        self.rule = rule if rule is not None else acceptance_rule(temperature, top_p, generator)
+        if record_margins and not self.rule.greedy:
             raise ValueError("margins are recorded for greedy decoding only")
         self.target: CachedLM = as_cached_lm(target)
         self.device = self.target.device
-        self.temperature, self.top_p = temperature, top_p
         self.eos = set(eos_token_ids)
-        self.generator = generator
         self.record_margins = record_margins
         self.pending: torch.Tensor | None = None  # [1] on the device: the last token, not yet cached
         self.sequence: list[int] = []             # prompt + emitted tokens

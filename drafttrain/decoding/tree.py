@@ -1,4 +1,4 @@
-"""Tree speculative decoding (greedy): verify a whole tree of candidates in ONE target pass.
+"""Tree speculative decoding (greedy, `verify.Greedy.tree`; the rule is the decoder's `rule`): verify a whole tree of candidates in ONE target pass.
 
 Each step a `TreeDrafter` proposes the step's candidates as a tree rooted at `pending` (a static
 tree such as Medusa's, or a new one per step such as EAGLE-2's). The target scores every node
@@ -15,7 +15,6 @@ import torch
 from ..planning import TreeStep
 from ..trees import Tree
 from .loop import Decoder, Step, top2_margins
-from .verify import greedy_tree_verdict
 
 
 class TreeDrafter:
@@ -58,8 +57,8 @@ class TreeDecoder(Decoder):
     name = "tree"
 
     def __init__(self, target, drafter: TreeDrafter, *, eos_token_ids: set[int] = frozenset(),
-                 record_margins: bool = False):
-        super().__init__(target, eos_token_ids=eos_token_ids, record_margins=record_margins)
+                 record_margins: bool = False, rule=None):
+        super().__init__(target, eos_token_ids=eos_token_ids, record_margins=record_margins, rule=rule)
         self.drafter = drafter
         self.recorded: list[TreeStep] | None = None  # a list: every step's candidates are recorded there
 
@@ -109,7 +108,7 @@ class TreeDecoder(Decoder):
         tokens, tree = self.drafter.draft(self.pending, depth)
         past = self.target.length
         logits, hidden = self.target.forward(tokens, tree=tree, hidden_layers=self.hidden_layers)
-        verdict = greedy_tree_verdict(logits.argmax(dim=-1), tokens, tree, depth)
+        verdict = self.rule.tree(logits, tokens, tree, depth)
         width = tree.max_depth + 1  # the path's entries in the verdict
         values = (torch.cat([verdict.double(), top2_margins(logits)]) if self.record_margins else verdict).tolist()
         best = int(values[0])  # the one host sync of the step is above

@@ -104,3 +104,42 @@ def greedy_tree_verdict(target_argmax: torch.Tensor, candidate_tokens: torch.Ten
     score = torch.where(accepted, tree.depths * n + (n - 1 - order), -1)
     best = score.argmax()
     return torch.cat([best.view(1), path_nodes(tree, best), target_argmax])
+
+
+class Greedy:
+    """The greedy acceptance rule: a draft is kept while it equals the target's argmax. A decoder
+    takes its rule as an object, so a new rule is a class here and nothing else changes."""
+
+    greedy = True
+
+    def chain(self, draft: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+        """[n, emitted_1, ...]: `verify_greedy` (q is not read: greedy drafts are deterministic)."""
+        return verify_greedy(draft, logits)
+
+    def tree(self, logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, depth: int | None) -> torch.Tensor:
+        """[best, path..., argmax...]: `greedy_tree_verdict`."""
+        return greedy_tree_verdict(logits.argmax(dim=-1), tokens, tree, depth)
+
+
+class Sampled:
+    """Speculative sampling at `temperature` (> 0) and `top_p`, drawing from `generator`: the
+    emitted text follows the target's distribution exactly (`verify_sampled`)."""
+
+    greedy = False
+
+    def __init__(self, temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None):
+        if not temperature > 0:
+            raise ValueError(f"sampling needs a temperature above 0, got {temperature}")
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+
+    def chain(self, draft: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+        return verify_sampled(draft, q, probabilities(logits, self.temperature, self.top_p), self.generator)
+
+    def tree(self, logits, tokens, tree, depth):
+        raise ValueError("tree verification is greedy; a sampled run verifies chains")
+
+
+def acceptance_rule(temperature: float = 0.0, top_p: float = 1.0,
+                    generator: torch.Generator | None = None) -> Greedy | Sampled:
+    """The rule of a run's settings: greedy at temperature 0, else speculative sampling."""
+    return Greedy() if temperature == 0 else Sampled(temperature, top_p, generator)

@@ -1,9 +1,11 @@
 """Measuring drafters (SPEC §2): `eval`, `compare` and `replay`.
 
 - `config`: EvalConfig, the one definition of every eval/compare setting, its flag and default
-- `loading`: the target and drafters, checked, bound to their engines
+- `loading`: the target and its one drafter (loaded by its kind), checked, bound to their engines
 - `run`: the interleaved timed run (`evaluate`, `run_eval`), decoders from `decoding.build_decoder`
-- `costs`: what a step costs on this machine (a drafter's cost beside the target's)
+- `plan`: `--num-draft-tokens auto` / `--tree-nodes auto`: K and the tree from measured costs
+- `costs`: timing a decode (a forward's cost is `decoding.timing`'s, a drafter's step its kind's)
+- `vllm_backend`: `--backend vllm`, the same drafter served by vLLM (the one module importing vLLM)
 - `summary`: one drafter's report.json dict
 - `metrics`: METRICS from per-prompt records (tau, acceptance, predicted speedup, divergences)
 - `report`: outputs.jsonl, report.json, report.md and the plots

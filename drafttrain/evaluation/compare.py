@@ -11,14 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import UserError
-from .config import BACKEND_CHOICES, EvalConfig, shared_settings
+from ..decoding.drafters import BY_NAME, flagged, methods
+from .config import BACKEND_CHOICES, EvalConfig, _or, drafter_fields, lookups, shared_settings
 from .outputs import prepare_output_dir, staged_output
 from .report import (_fmt, bar_figure, markdown_table, per_position_figure, save_figure, scatter_figure, subtitle,
                      write_json, write_report)
 from .run import DecoderFactory, Evaluation, check_inputs, evaluate
 
-KINDS = ("draft", "heads", "eagle3", "ngram", "none")
-WITH_PATH = ("draft", "heads", "eagle3")
 FIGURE_CAPTIONS = {"tau.png": "tau by drafter", "per_position_acceptance.png": "per-position acceptance by drafter",
                    "speedup.png": "speedup by drafter", "tau_vs_speedup.png": "tau vs speedup"}
 # Every name compare writes into --out beside the drafters' folders: a drafter may not take one.
@@ -26,22 +25,32 @@ COMPARISON_FILES = ("comparison.md", "comparison.json", *FIGURE_CAPTIONS)
 NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
 
 
+def drafter_forms() -> str:
+    """The forms of --drafter, from the registry, for its error message."""
+    paths = [f"NAME={k.flag}:DIR" for k in flagged()]
+    joined = [f"+{k.name}" for k in lookups()]
+    first = ", ".join(f"{p}{joined[0]}" for p in paths)
+    return (f"use {_or(paths)} (each may end in {joined[0]}: {first}" + "".join(f"; or {j}" for j in joined[1:])
+            + f"), {_or([f'NAME={k.name}' for k in methods()])}, each optionally ending in @vllm or @drafttrain")
+
+
 def parse_drafter(arg: str) -> tuple[str, dict]:
-    """`NAME=draft:DIR`, `NAME=heads:DIR`, `NAME=eagle3:DIR`, `NAME=ngram` or `NAME=none`; a drafter
-    with weights may end in `+ngram` (n-gram lookup's chain verified as one more branch of its chain
-    or tree), and any drafter in `@vllm` or `@drafttrain` (who decodes it; unset: --backend)."""
+    """`NAME=FLAG:DIR` for a drafter with weights (`NAME=draft:DIR`, `NAME=heads:DIR`,
+    `NAME=eagle3:DIR`) or `NAME=METHOD` (`NAME=ngram`, `NAME=suffix`, `NAME=none`); a drafter with
+    weights may end in `+LOOKUP` (`+ngram`: the lookup's chain verified as one more branch of its
+    chain or tree), and any drafter in `@vllm` or `@drafttrain` (who decodes it; unset: --backend).
+    Returns the settings that differ from --drafter to --drafter (`EvalConfig` fields)."""
     name, sep, what = arg.partition("=")
     head, at, backend = what.rpartition("@")
     at = bool(at) and backend in BACKEND_CHOICES
     what = head if at else what
-    hybrid = what.endswith("+ngram") and what.partition(":")[0] in WITH_PATH
-    kind, _, path = what.removesuffix("+ngram").partition(":") if hybrid else what.partition(":")
-    if not sep or not name or kind not in KINDS or (kind in WITH_PATH) != bool(path):
-        raise UserError(f"--drafter {arg!r} is malformed; use NAME=draft:DIR, NAME=heads:DIR or NAME=eagle3:DIR "
-                        "(each may end in +ngram: NAME=draft:DIR+ngram, NAME=heads:DIR+ngram, NAME=eagle3:DIR+ngram), "
-                        "NAME=ngram or NAME=none, each optionally ending in @vllm or @drafttrain")
+    flags = {k.flag for k in flagged()}
+    hybrid = next((k.name for k in lookups() if what.endswith(f"+{k.name}") and what.partition(":")[0] in flags), None)
+    kind, _, path = what.removesuffix(f"+{hybrid}").partition(":") if hybrid else what.partition(":")
+    if not sep or not name or kind not in flags | {k.name for k in methods()} or (kind in flags) != bool(path):
+        raise UserError(f"--drafter {arg!r} is malformed; {drafter_forms()}")
     check_drafter_name(name, arg)
-    fields = {kind: path, "ngram": hybrid} if kind in WITH_PATH else {"method": kind}
+    fields = {kind: path, **({hybrid: True} if hybrid else {})} if kind in flags else {"method": kind}
     return name, {**fields, **({"backend": backend} if at else {})}
 
 
@@ -67,8 +76,8 @@ def drafter_configs(base: EvalConfig, drafters: list[str]) -> list[EvalConfig]:
     names = [n for n, _ in parsed]
     if len(set(names)) != len(names):
         raise UserError("drafter names must be unique; give each --drafter its own NAME")
-    return [replace(base, **{"draft": None, "heads": None, "eagle3": None, "method": None, "ngram": False, **fields},
-                    name=name,
+    unset = {field: setting.default for field, (_, setting) in drafter_fields().items()}
+    return [replace(base, **{**unset, **fields}, name=name,
                     out=str(Path(base.out) / name)) for name, fields in parsed]
 
 
@@ -97,7 +106,7 @@ SERVED_TAU_TOLERANCE = 0.03  # issue 20: a served tau more than 3% from ours is 
 
 
 def drafter_identity(cfg: EvalConfig) -> tuple:
-    return cfg.drafter_kind, cfg.draft or cfg.heads or cfg.eagle3 or cfg.method, cfg.ngram, cfg.num_draft_tokens, cfg.tree
+    return cfg.drafter_kind, cfg.drafter_path or cfg.method, cfg.hybrid, cfg.num_draft_tokens, cfg.tree
 
 
 def served_checks(evaluations: list[Evaluation]) -> list[dict]:
@@ -147,12 +156,11 @@ def served_warnings(checks: list[dict]) -> list[str]:
     """One `warning:` line per flagged served check."""
     lines = []
     for c in checks:
-        t = c["mean_acceptance_length"]
-        if c["tau_flagged"] and c["kind"] == "ngram":
-            lines.append(f"warning: {c['vllm']}: vLLM's n-gram mean acceptance length {t['vllm']:.3f} is "
-                         f"{100 * c['relative_difference']:+.1f}% from drafttrain's {t['drafttrain']:.3f}: vLLM continues "
-                         "the earliest match of the longest suffix, drafttrain the latest, so the two propose different "
-                         "drafts (no export is involved)")
+        t, kind = c["mean_acceptance_length"], BY_NAME[c["kind"]]
+        if c["tau_flagged"] and kind.served_note:  # a lookup: vLLM's own, not an export, explains it
+            lines.append(f"warning: {c['vllm']}: vLLM's {kind.label} mean acceptance length {t['vllm']:.3f} is "
+                         f"{100 * c['relative_difference']:+.1f}% from drafttrain's {t['drafttrain']:.3f}: "
+                         f"{kind.served_note}")
         elif c["tau_flagged"]:
             lines.append(f"warning: {c['vllm']}: vLLM's mean acceptance length {t['vllm']:.3f} is "
                          f"{100 * c['relative_difference']:+.1f}% from drafttrain's {t['drafttrain']:.3f} "

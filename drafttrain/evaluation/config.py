@@ -12,8 +12,39 @@ from pathlib import Path
 
 from ..config import check_settings, flag_name, setting
 from ..decoding import NUM_DRAFT_TOKENS, DecodeSettings
+from ..decoding.drafters import BY_NAME, DYNAMIC_TREE_TOPK, REGISTRY, flagged, methods
+from ..decoding.engines import ENGINES
 from ..errors import UserError
 from ..trees import TREE_CHOICES, read_tree_file
+
+
+def _or(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def lookups() -> list:
+    """Kinds whose chain a model drafter may verify beside its own (--ngram, compare's +ngram)."""
+    return [kind for kind in REGISTRY if kind.lookup is not None]
+
+
+def drafter_fields() -> dict[str, tuple[str, object]]:
+    """EvalConfig's drafter fields from the registry, in flag order: (annotation, setting) by name.
+    A kind with a flag loads an export (--draft DIR), the kinds without weights share --method,
+    a lookup kind may join a model drafter's tree (--ngram)."""
+    with_path = _or([flag_name(k.flag) + " DIR" for k in flagged()])
+    fields = {k.flag: ("str | None", setting(None, k.help, metavar="DIR", drafter=True)) for k in flagged()}
+    described = _or([f"{k.name} ({k.help})" for k in methods()])
+    fields["method"] = ("str | None", setting(None, f"A drafter without weights: {described}.",
+                                             choices=tuple(k.name for k in methods()), drafter=True))
+    for k in lookups():
+        fields[k.name] = ("bool", setting(False, f"With {with_path}: also look up a {k.label} continuation each step "
+                                          "and verify it as one more branch of the drafter's chain or tree, in the "
+                                          "same target pass (greedy only).", drafter=True))
+    return fields
+
+
+def drafter_settings() -> dict:
+    return {name: field for name, (_, field) in drafter_fields().items()}
 
 def int_or_auto(text: str) -> int | str:
     """A flag's K: an integer, or "auto"."""
@@ -21,7 +52,7 @@ def int_or_auto(text: str) -> int | str:
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
-ENGINE_CHOICES = ("auto", "eager", "static")
+ENGINE_CHOICES = ENGINES  # --engine: auto, eager, static
 BACKEND_CHOICES = ("drafttrain", "vllm")
 PLAN_MAX_K = 6  # the deepest K that --num-draft-tokens auto considers (and calibration drafts)
 PLAN_MAX_NODES = 64  # the largest tree that --tree-nodes auto considers
@@ -38,17 +69,8 @@ class EvalConfig:
                                  metavar="FILE")
     out: str = setting(doc="Report directory. One that exists and is not empty is refused unless --overwrite.",
                        metavar="DIR")
-    draft: str | None = setting(None, "Draft model: a directory or hub id with the target's tokenizer.",
-                                metavar="DIR", drafter=True)
-    heads: str | None = setting(None, "Medusa heads directory (vLLM's format) trained on this target.",
-                                metavar="DIR", drafter=True)
-    eagle3: str | None = setting(None, "EAGLE-3 draft directory (SGLang's / vLLM's layout) trained on this target.",
-                                 metavar="DIR", drafter=True)
-    method: str | None = setting(None, "A drafter without weights: ngram (prompt lookup) or none (the target "
-                                 "alone).", choices=("ngram", "none"), drafter=True)
-    ngram: bool = setting(False, "With --draft, --heads or --eagle3: also look up an n-gram continuation each step and "
-                          "verify it as one more branch of the drafter's chain or tree, in the same target pass "
-                          "(greedy only).", drafter=True)
+    vars().update(drafter_settings())  # --draft DIR, --heads DIR, --eagle3 DIR, --method, --ngram: `drafter_settings`
+    __annotations__.update({f: t for f, (t, _) in drafter_fields().items()})
     name: str | None = setting(None, "The drafter's name in titles and tables (unset: the draft or heads "
                                "directory's name, else the method).", drafter=True)
     limit: int | None = setting(None, "At most N prompts from each prompt file (unset: all).", metavar="N",
@@ -92,24 +114,14 @@ class EvalConfig:
         "all). auto: the size (and, for the dynamic tree, the top-k up to --tree-topk) that this machine's "
         "measured costs and the drafter's acceptance on --calibration-prompts favour (drafttrain.planning).",
         metavar="N|auto", at_least=2, parse=int_or_auto, auto=True)
-    tree_topk: int = setting(4, "EAGLE-3 dynamic tree: nodes expanded per depth, and children drafted per node.",
+    tree_topk: int = setting(DYNAMIC_TREE_TOPK, "EAGLE-3 dynamic tree: nodes expanded per depth, and children drafted per node.",
                              metavar="N", at_least=1)
     overwrite: bool = setting(False, "Replace an earlier report in --out whole (nothing of it remains).")
     quiet: bool = setting(False, "No progress bar.")
 
     def validate(self) -> None:
         check_settings(self, flag_name)
-        chosen = [x for x in (self.draft and "--draft", self.heads and "--heads", self.eagle3 and "--eagle3",
-                              self.method and f"--method {self.method}") if x]
-        if len(chosen) != 1:
-            raise UserError("choose exactly one drafter: --draft DIR, --heads DIR, --eagle3 DIR, --method ngram or "
-                            "--method none" + (f" (got {' and '.join(chosen)})" if chosen else ""))
-        if self.ngram and self.method:
-            raise UserError("--ngram joins n-gram lookup to a drafter with weights (--draft DIR, --heads DIR or "
-                            "--eagle3 DIR); --method ngram alone needs no --ngram")
-        if self.ngram and self.temperature > 0:
-            raise UserError("--ngram verifies the n-gram branch and the drafter's as one tree, which is greedy; use "
-                            "--temperature 0 or leave --ngram out")
+        self._check_drafter()
         if not self.prompts:
             raise UserError("no prompt file given; pass --prompts FILE")
         if self.temperature == math.inf:
@@ -119,13 +131,44 @@ class EvalConfig:
                             "auto; add one, or leave --calibration-prompts out")
         if self.tree not in TREE_CHOICES:
             read_tree_file(self.tree)
-        if self.tree == "dynamic" and self.heads:
-            raise UserError("--tree dynamic grows a tree with an EAGLE-3 draft; Medusa heads use auto, default, chain "
-                            "or a tree file")
+        kind = BY_NAME[self.drafter_kind]
+        if self.tree == "dynamic" and kind.tree is not None and not kind.grows_trees:
+            growers = _or([flag_name(k.flag) + " DIR" for k in flagged() if k.grows_trees])
+            raise UserError(f"--tree dynamic grows a tree with a drafter that grows its own ({growers}); "
+                            f"{flag_name(kind.flag)} uses auto, default, chain or a tree file")
         if self.backend == "vllm":
-            from .vllm_backend import check_servable  # the one module that knows vLLM
-
             check_servable(self)
+
+    def _check_drafter(self) -> None:
+        """Exactly one drafter, and a lookup joined only to a drafter with weights, greedy."""
+        paths = [flag_name(k.flag) + " DIR" for k in flagged()]
+        chosen = [flag_name(k.flag) for k in flagged() if getattr(self, k.flag)]
+        chosen += [f"--method {self.method}"] if self.method else []
+        if len(chosen) != 1:
+            offered = paths + [f"--method {k.name}" for k in methods()]
+            raise UserError(f"choose exactly one drafter: {_or(offered)}"
+                            + (f" (got {' and '.join(chosen)})" if chosen else ""))
+        joined = [k for k in lookups() if getattr(self, k.name)]
+        if len(joined) > 1:
+            raise UserError(f"join one lookup to a drafter, not {' and '.join(flag_name(k.name) for k in joined)}")
+        for k in joined:
+            flag = flag_name(k.name)
+            if self.method:
+                raise UserError(f"{flag} joins {k.label} lookup to a drafter with weights ({_or(paths)}); "
+                                f"--method {self.method} alone needs no {flag}")
+            if self.temperature > 0:
+                raise UserError(f"{flag} verifies the {k.label} branch and the drafter's as one tree, which is greedy; "
+                                f"use --temperature 0 or leave {flag} out")
+
+    @property
+    def hybrid(self) -> str | None:
+        """The lookup kind joined to the drafter's tree (--ngram: "ngram"), or None."""
+        return next((k.name for k in lookups() if getattr(self, k.name)), None)
+
+    @property
+    def drafter_path(self) -> str | None:
+        """The export the drafter loads from (--draft DIR, ...), or None for a method."""
+        return next((getattr(self, k.flag) for k in flagged() if getattr(self, k.flag)), None)
 
     @property
     def planned(self) -> bool:
@@ -153,22 +196,23 @@ class EvalConfig:
                               top_p=self.top_p, generator=generator, record_margins=record_margins, tree=self.tree,
                               tree_nodes=self.tree_nodes if nodes is None else nodes,
                               tree_topk=self.tree_topk if topk is None else topk, ngram_max=self.ngram_max,
-                              ngram_hybrid=self.ngram)
+                              hybrid=self.hybrid)
 
     @property
     def drafter_kind(self) -> str:
-        """draft | medusa | eagle3 | ngram | none: which kind of drafter runs (`decoding.factory.DRAFTERS`)."""
-        return "draft" if self.draft else "medusa" if self.heads else "eagle3" if self.eagle3 else self.method
+        """Which kind of drafter runs (`decoding.drafters.REGISTRY`): the one whose flag is given,
+        else the method. A draft LM that loads as a parallel one is still named by its flag's kind."""
+        return next((k.name for k in flagged() if getattr(self, k.flag)), self.method)
 
     @property
     def drafter_name(self) -> str:
         """What titles and tables call the drafter."""
         if self.name:
             return self.name
-        path = self.draft or self.heads or self.eagle3
+        path = self.drafter_path
         served = "@vllm" if self.backend == "vllm" else ""
         if path:
-            return (Path(path.rstrip("/")).name or path) + ("+ngram" if self.ngram else "") + served
+            return (Path(path.rstrip("/")).name or path) + (f"+{self.hybrid}" if self.hybrid else "") + served
         return str(self.method) + served
 
     @property
@@ -176,8 +220,25 @@ class EvalConfig:
         return self.temperature == 0
 
 
+def check_servable(cfg: EvalConfig) -> None:
+    """What vLLM cannot serve, found before any model loads (one `error:` line each); vLLM itself
+    is imported by `vllm_backend` only."""
+    where = f"--backend vllm ({cfg.drafter_name})"
+    if cfg.num_draft_tokens == "auto":
+        raise UserError(f"{where}: --num-draft-tokens auto plans drafttrain's own decoder; give vLLM a fixed K "
+                        "(for instance the plan an auto run reported)")
+    if cfg.hybrid:
+        raise UserError(f"{where}: vLLM cannot verify a drafter and {cfg.hybrid} lookup as one tree (+{cfg.hybrid}); "
+                        f"serve the drafter or {cfg.hybrid} lookup alone")
+    if BY_NAME[cfg.drafter_kind].tree is not None and cfg.tree not in ("auto", "chain"):
+        raise UserError(f"{where}: vLLM serves tree drafters as a chain of K drafts, not the --tree {cfg.tree} tree "
+                        "(EAGLE-2's dynamic tree included); use --tree chain")
+    if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
+        raise UserError(f"{where}: vLLM runs on cpu or cuda, not {cfg.device}")
+
+
 # Settings that may differ between the drafters of one `compare` run.
-PER_DRAFTER = ("draft", "heads", "eagle3", "method", "ngram", "name", "out", "backend")
+PER_DRAFTER = (*drafter_fields(), "name", "out", "backend")
 
 
 def shared_settings(cfg: EvalConfig) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 from statistics import fmean, median
 
 from ..decoding import DecodeSettings, as_cached_lm, build_decoder
-from ..decoding.drafters.ngram import ngram_lookup
+from ..decoding.drafters import BY_NAME, target_alone, trained_drafter
 from ..decoding.factory import tree_choice
 from ..errors import UserError
 from ..export import RECORD
@@ -34,7 +34,7 @@ from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, fallback_plan, imp
                         tree_node_limit, walk_chain, walked_rates)
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
 from .config import PLAN_MAX_K, PLAN_MAX_NODES, PLAN_PROBE_TOKENS, EvalConfig
-from .costs import eagle3_step_seconds, forward_curve, medusa_heads_seconds
+from .costs import forward_curve
 from .loading import LoadedModels
 
 CALIBRATION_PROMPTS = 8  # prompts of --calibration-prompts decoded per drafter
@@ -65,7 +65,7 @@ class Acceptance:
 def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
     """The held-out chain acceptance an export recorded (`drafttrain.json`: draft LMs, EAGLE-3
     drafts, Medusa heads), if there is one."""
-    export = cfg.draft or cfg.eagle3 or cfg.heads
+    export = cfg.drafter_path
     path = Path(export) / RECORD if export else None
     if path is None or not path.is_file():
         return None
@@ -111,7 +111,7 @@ def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, prompts: list[E
     accepted and how often proposed."""
     settings = dataclasses.replace(cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes),
                                    eos_token_ids=frozenset(models.eos))
-    decoder = build_decoder(models.target_lm or models.target, models.drafter(cfg.drafter_kind), settings)
+    decoder = build_decoder(models.target_lm or models.target, models.drafter, settings)
     accepted, proposed, continuations = [], [], []
     for p in prompts:
         gen = decoder.generate(p.ids, cfg.max_new_tokens)
@@ -121,27 +121,31 @@ def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, prompts: list[E
     steps = max(1, len(accepted))
     hybrid = getattr(getattr(decoder, "drafter", None), "lookup_nodes", None)
     return Acceptance([sum(a >= j for a in accepted) / steps for j in range(1, PLAN_MAX_K + 1)],
-                      None if cfg.ngram else [sum(m >= j for m in proposed) / steps for j in range(1, PLAN_MAX_K + 1)],
+                      None if cfg.hybrid else [sum(m >= j for m in proposed) / steps for j in range(1, PLAN_MAX_K + 1)],
                       f"{len(prompts)} calibration prompts from {cfg.calibration_prompts}",
                       hybrid / steps if hybrid is not None else 0.0,
                       walked_lookup(cfg, prompts, continuations) if walks(cfg) else None)
 
 
 def walks(cfg: EvalConfig) -> bool:
-    """Greedy n-gram lookup: its acceptance at every K is walked over the calibration outputs."""
-    return cfg.drafter_kind == "ngram" and cfg.greedy
+    """A greedy lookup (its proposal a function of the text so far): its acceptance at every K is
+    walked over the calibration outputs."""
+    return BY_NAME[cfg.drafter_kind].planned_from_walks and cfg.greedy
 
 
 def walked_lookup(cfg: EvalConfig, prompts: list[EncodedPrompt], continuations: list[list[int]]) -> dict:
-    """n-gram lookup's acceptance and proposal rates at every K = 1 .. PLAN_MAX_K, walked exactly
-    over the calibration prompts' greedy continuations (`planning.walk_chain`): copying is bursty,
-    so the deepest K's per-position acceptance misjudges a smaller K's."""
-    def propose(sequence, k):
-        return ngram_lookup(sequence, k, cfg.ngram_max)
-
+    """A lookup's acceptance and proposal rates at every K = 1 .. PLAN_MAX_K, walked exactly over
+    the calibration prompts' greedy continuations (`planning.walk_chain`): copying is bursty, so
+    the deepest K's per-position acceptance misjudges a smaller K's."""
+    new_lookup = BY_NAME[cfg.drafter_kind].lookup
+    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=None)
     by_k = {}
     for k in range(1, PLAN_MAX_K + 1):
-        steps = [s for p, c in zip(prompts, continuations) for s in walk_chain(p.ids, c, propose, k, cfg.max_new_tokens)]
+        steps = []
+        for p, c in zip(prompts, continuations):
+            lookup = new_lookup(settings)
+            lookup.reset(p.ids)
+            steps += walk_chain(p.ids, c, lambda sequence, n: lookup.lookup(n, sequence), k, cfg.max_new_tokens)
         by_k[k] = walked_rates(steps, k)
     return by_k
 
@@ -149,7 +153,7 @@ def walked_lookup(cfg: EvalConfig, prompts: list[EncodedPrompt], continuations: 
 def drafter_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: list[EncodedPrompt]) -> Acceptance:
     if cfg.calibration_prompts:
         return calibrated_acceptance(cfg, models, calibration if walks(cfg) else calibration[:CALIBRATION_PROMPTS])
-    recorded = None if cfg.ngram else recorded_acceptance(cfg)  # a hybrid's own acceptance is not recorded
+    recorded = None if cfg.hybrid else recorded_acceptance(cfg)  # a hybrid's own acceptance is not recorded
     if recorded is None:
         raise UserError(f"--num-draft-tokens auto needs {cfg.drafter_name}'s acceptance on other prompts than the "
                         f"evaluated ones, and it has none recorded ({RECORD}); pass --calibration-prompts FILE")
@@ -172,70 +176,54 @@ def cost_probes(prompts: list[EncodedPrompt], max_new_tokens: int) -> list[list[
 def loop_overhead(models: LoadedModels, ids: list[int], single: float, tokens: int = 12) -> float:
     """Seconds a plain decoding step spends beyond its forward (sampling, bookkeeping, the sync)."""
     settings = DecodeSettings(num_draft_tokens=1)
-    decoder = build_decoder(models.target_lm or models.target, models.drafter("none"), settings)
+    decoder = build_decoder(models.target_lm or models.target, target_alone(), settings)
     gen = decoder.generate(ids, tokens)
     return max(0.0, median(gen.step_seconds) - single) if gen.step_seconds else 0.0
 
 
-def lookup_seconds(cfg: EvalConfig, ids: list[int], max_k: int, repeats: int = ROUND_REPEATS) -> list[float]:
-    """n-gram lookup's host time proposing k = 0 .. max_k tokens at the end of `ids`: it scans the
+def lookup_seconds(cfg: EvalConfig, kind: str, ids: list[int], max_k: int, repeats: int = ROUND_REPEATS) -> list[float]:
+    """A lookup's host time proposing k = 0 .. max_k tokens at the end of `ids`: it reads the
     context, so it grows with the context's length, and beside a small model's forward on a CPU it
-    is no free lunch (a plan that counted it as zero promised 1.10x and measured 0.94x)."""
+    is no free lunch (a plan that counted n-gram lookup as zero promised 1.10x and measured 0.94x)."""
+    lookup = BY_NAME[kind].lookup(cfg.decode_settings(k=max_k, nodes=None))
+
     def once(k: int) -> float:
+        lookup.reset(ids[:-1])  # a lookup that keeps state catches up with the last token, as a step does
         start = time.perf_counter()
-        ngram_lookup(ids, k, cfg.ngram_max)
+        lookup.lookup(k, ids)
         return time.perf_counter() - start
 
     return [0.0] + [median(once(k) for _ in range(repeats)) for k in range(1, max_k + 1)]
 
 
-def parallel_widths(acceptance: Acceptance, max_k: int) -> list[int]:
-    """A parallel draft's forward when drafting k = 1 .. max_k: the pending tokens (the last step's
-    emitted ones, on average) and k - 1 masks."""
-    return [min(2 * max_k, round(1 + sum(acceptance.per_position[:k - 1])) + k - 1) for k in range(1, max_k + 1)]
-
-
 def drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance,
                     max_k: int) -> tuple[list[float], list[str]]:
     """The drafter's share of a step drafting k = 0 .. max_k tokens at the end of `ids` (a hybrid's
-    lookup included), and any noise warnings."""
-    drafter = models.drafter(cfg.drafter_kind)
-    if drafter.kind == "ngram":
-        return lookup_seconds(cfg, ids, max_k), []
+    lookup included), and any noise warnings: a lookup's host time, or the kind's own step."""
+    kind = BY_NAME[models.drafter.kind]
+    if kind.lookup is not None:
+        return lookup_seconds(cfg, kind.name, ids, max_k), []
     seconds, noise = model_drafter_seconds(cfg, models, ids, acceptance, max_k)
-    if cfg.ngram:  # a hybrid also looks up its n-gram branch every step
-        seconds = [s + lookup for s, lookup in zip(seconds, lookup_seconds(cfg, ids, max_k))]
+    if cfg.hybrid:  # a hybrid also looks up its lookup's branch every step
+        seconds = [s + lookup for s, lookup in zip(seconds, lookup_seconds(cfg, cfg.hybrid, ids, max_k))]
     return seconds, noise
 
 
 def model_drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance,
                           max_k: int) -> tuple[list[float], list[str]]:
-    drafter = models.drafter(cfg.drafter_kind)
+    """A model drafter's own step drafting k = 0 .. max_k, as its kind times it (`step_seconds`)."""
+    kind = BY_NAME[models.drafter.kind]
+    if kind.step_seconds is None:
+        return [0.0] * (max_k + 1), []
     target_lm = models.target_lm or as_cached_lm(models.target)
-    if drafter.kind == "eagle3":  # a chain: one pass of the draft layer per draft token
-        one = eagle3_step_seconds(models.eagle3_lm or models.eagle3, target_lm, ids, repeats=ROUND_REPEATS)
-        return [k * one for k in range(max_k + 1)], []
-    if drafter.kind == "medusa":  # sampling: one pass of the first k heads
-        return [0.0] + [medusa_heads_seconds(models.heads, k, models.device, repeats=ROUND_REPEATS)
-                        for k in range(1, max_k + 1)], []
-    lm = models.draft_lm or as_cached_lm(models.draft)
-    if drafter.kind == "draft":  # one forward per draft token
-        curve = forward_curve(lm, ids, 1, repeats=ROUND_REPEATS)
-        return [k * median(curve[0]) for k in range(max_k + 1)], noisy(curve)
-    widths = parallel_widths(acceptance, max_k)
-    curve = forward_curve(lm, ids, max(widths), repeats=ROUND_REPEATS)
-    return [0.0] + [median(curve[w - 1]) for w in widths], noisy(curve)
+    return kind.step_seconds(models.drafter, target_lm, ids, max_k, acceptance.per_position, ROUND_REPEATS)
 
 
 def draft_forwards(cfg: EvalConfig, models: LoadedModels, acceptance: Acceptance,
                    max_k: int) -> list[tuple[int, int]] | None:
     """(forwards, tokens each) of a model drafter drafting k = 1 .. max_k, for `planning.implausible`."""
-    kind = models.drafter(cfg.drafter_kind).kind
-    if kind == "parallel_draft":
-        return [(1, w) for w in parallel_widths(acceptance, max_k)]
-    if kind in ("draft", "eagle3"):
-        return [(k, 1) for k in range(1, max_k + 1)]
-    return [(1, 1)] * max_k if kind == "medusa" else None
+    kind = BY_NAME[models.drafter.kind]
+    return kind.draft_forwards(models.drafter, max_k, acceptance.per_position) if kind.draft_forwards else None
 
 
 def chain_round(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance, max_k: int):
@@ -243,7 +231,7 @@ def chain_round(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptanc
     (timings by size), the drafter's share of a step drafting 0 .. max_k, its noise, and a plain
     step's overhead beyond its forward."""
     target_lm = models.target_lm or as_cached_lm(models.target)
-    verify = forward_curve(target_lm, ids, max_k + 1 + (max_k if cfg.ngram else 0), repeats=ROUND_REPEATS)
+    verify = forward_curve(target_lm, ids, max_k + 1 + (max_k if cfg.hybrid else 0), repeats=ROUND_REPEATS)
     draft, noise = drafter_seconds(cfg, models, ids, acceptance, max_k)
     return verify, draft, noise, loop_overhead(models, ids, median(verify[0]))
 
@@ -278,8 +266,9 @@ def trusted_chain_costs(cfg: EvalConfig, models: LoadedModels, probes: list[list
 
 def no_tree_reason(cfg: EvalConfig) -> str | None:
     """Why this drafter verifies no tree, for `--tree-nodes auto` to say (None: it may verify one)."""
-    if cfg.drafter_kind not in ("medusa", "eagle3"):
-        return f"{cfg.drafter_name} drafts a chain (only Medusa heads and EAGLE-3 drafts verify trees)"
+    if BY_NAME[cfg.drafter_kind].tree is None:
+        trees = ", ".join(f"--{k.flag}" for k in BY_NAME.values() if k.tree is not None)
+        return f"{cfg.drafter_name} drafts a chain (only tree drafters verify trees: {trees})"
     if not cfg.greedy:
         return f"{cfg.drafter_name} drafts a chain when sampling (trees are verified greedily: --temperature 0)"
     if cfg.tree == "chain":
@@ -288,10 +277,10 @@ def no_tree_reason(cfg: EvalConfig) -> str | None:
 
 
 def plans_a_tree(cfg: EvalConfig, models: LoadedModels) -> bool:
-    """Medusa heads and EAGLE-3 drafts verify trees when greedy (EAGLE-3 unless --tree chain)."""
+    """Tree drafters (Medusa heads, EAGLE-3 drafts) verify trees when greedy, unless their tree is
+    a chain (EAGLE-3 with --tree chain)."""
     settings = cfg.decode_settings(k=cfg.max_draft_tokens, nodes=cfg.max_tree_nodes)
-    return cfg.greedy and cfg.drafter_kind in ("medusa", "eagle3") and \
-        tree_choice(models.drafter(cfg.drafter_kind), settings) is not None
+    return cfg.greedy and tree_choice(models.drafter, settings) is not None
 
 
 def plan_drafter(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]],
@@ -322,10 +311,10 @@ def plan_drafter(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]],
 
 def tree_settings(cfg: EvalConfig, models: LoadedModels) -> tuple[list[int], list[int], list[int], bool]:
     """(depths, node budgets, top-ks) a tree plan weighs, and whether the tree is EAGLE-2's dynamic one."""
-    kind = cfg.drafter_kind
-    deepest = cfg.max_draft_tokens if kind == "eagle3" else min(cfg.max_draft_tokens, models.heads.config.num_heads)
+    kind = BY_NAME[models.drafter.kind]
+    deepest = min(cfg.max_draft_tokens, kind.depth_limit(models.drafter) if kind.depth_limit else cfg.max_draft_tokens)
     depths = list(range(1, deepest + 1)) if cfg.num_draft_tokens == "auto" else [deepest]
-    shape = tree_choice(models.drafter(kind), cfg.decode_settings(k=deepest, nodes=cfg.max_tree_nodes))[1]
+    shape = tree_choice(models.drafter, cfg.decode_settings(k=deepest, nodes=cfg.max_tree_nodes))[1]
     dynamic = shape == "dynamic"
     largest = PLAN_MAX_NODES if dynamic else len(shape) + 1
     if cfg.tree_nodes == "auto":
@@ -342,7 +331,7 @@ def recorded_trees(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedP
     recorded (`planning.TreeStep`), and a hybrid's n-gram nodes per step."""
     settings = dataclasses.replace(cfg.decode_settings(k=depth, nodes=nodes, topk=topk),
                                    eos_token_ids=frozenset(models.eos))
-    decoder = build_decoder(models.target_lm or models.target, models.drafter(cfg.drafter_kind), settings)
+    decoder = build_decoder(models.target_lm or models.target, models.drafter, settings)
     decoder.recorded = []
     lookups = getattr(decoder.drafter, "lookup_nodes", 0)
     for p in prompts:
@@ -356,10 +345,9 @@ def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], dep
                       topk: int) -> tuple[int, float]:
     """(the model's tree nodes, median seconds) of a whole decoding step (draft, verification,
     bookkeeping) with this tree on the probe prompt; K = 0 is a plain step."""
-    kind = cfg.drafter_kind if depth else "none"
     settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
-    decoder = build_decoder(models.target_lm or models.target, models.drafter(kind),
-                            dataclasses.replace(settings, ngram_hybrid=settings.ngram_hybrid and depth > 0))
+    decoder = build_decoder(models.target_lm or models.target, models.drafter if depth else target_alone(),
+                            settings if depth else settings.alone())
     decoder.generate(ids, 4)  # warm
     seconds = []
     for _ in range(2):
@@ -442,14 +430,14 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: l
     probes = cost_probes(prompts, cfgs[0].max_new_tokens)
     planned, blocks = [], []
     for cfg, m in zip(cfgs, models):
-        tree = cfg.drafter_kind != "none" and plans_a_tree(cfg, m)
+        tree = BY_NAME[cfg.drafter_kind].drafts and plans_a_tree(cfg, m)
         not_applicable = {"tree_nodes_auto_not_applicable": no_tree_reason(cfg) or "it verifies no tree"} \
             if cfg.tree_nodes == "auto" and not tree else {}
         if cfg.num_draft_tokens != "auto" and not (tree and cfg.tree_nodes == "auto"):
             planned.append(dataclasses.replace(cfg, tree_nodes=None) if cfg.tree_nodes == "auto" else cfg)
             blocks.append(not_applicable or None)
             continue
-        if cfg.drafter_kind == "none":
+        if not BY_NAME[cfg.drafter_kind].drafts:
             planned.append(dataclasses.replace(cfg, num_draft_tokens=0, tree_nodes=None))
             blocks.append(None)
             continue
@@ -463,23 +451,26 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: l
 
 
 
-def export_plans(target, acceptance: list[float], probe: list[int], *, where: str, draft=None,
-                 parallel: dict | None = None, eagle3=None, heads=None) -> dict:
+def export_plans(target, acceptance: list[float], probe: list[int], *, where: str, **exported) -> dict:
     """The plans an export records beside its held-out chain acceptance (`drafttrain.json` "plans",
     the model card): one from costs measured now on the training machine, and one for a GPU at
     batch 1, where a forward of a few tokens costs what one token does (memory-bound) and a
     drafter's step costs its share of the target's parameters; with the launch settings that GPU
     plan means in vLLM (`speculative_config`) and SGLang (its server flags), for the export at
-    `where`. The drafter is a draft LM (`draft`, `parallel` for a parallel one), an EAGLE-3 draft
-    or Medusa heads."""
+    `where`. `exported`: the trained drafter as its recipe names it (`drafters.trained_drafter`:
+    draft=, parallel=, or the model under its kind's flag)."""
     from ..decoding import EagerLM
 
-    max_k = min(PLAN_MAX_K, len(acceptance), heads.config.num_heads if heads is not None else PLAN_MAX_K)
+    drafter = trained_drafter(**exported)
+    kind = BY_NAME[drafter.kind]
+    limit = kind.depth_limit(drafter) if kind.depth_limit else PLAN_MAX_K
+    max_k = min(PLAN_MAX_K, len(acceptance), limit)
     if max_k == 0:
         return {}
     target_lm = EagerLM(target)
     verify = tuple(median(t) for t in forward_curve(target_lm, probe, max_k + 1))
-    here, gpu_draft = drafter_step_costs(target, target_lm, probe, acceptance, max_k, draft, parallel, eagle3, heads)
+    here = tuple(kind.step_seconds(drafter, target_lm, probe, max_k, acceptance, 7)[0])
+    gpu_draft = tuple(kind.gpu_costs(drafter, target, max_k))
     cpu = plan_chain(acceptance, Costs(verify, here))
     gpu = plan_chain(acceptance, Costs((1.0,) * (max_k + 1), gpu_draft))
     k = max(gpu.num_draft_tokens, 1)
@@ -488,7 +479,7 @@ def export_plans(target, acceptance: list[float], probe: list[int], *, where: st
             "gpu_batch1": {"num_draft_tokens": gpu.num_draft_tokens, "planned_speedup": gpu.planned_speedup,
                            "assumption": "verification flat in tokens; a drafter step costs its share of the "
                                          f"target's parameters ({gpu_draft[1]:.3f} for the first draft token)"},
-            **served_settings(k, where, parallel, eagle3 is not None, heads is not None)}
+            **served_settings(k, where, drafter)}
 
 
 def planned_k(plans: dict) -> dict:
@@ -500,44 +491,15 @@ def planned_k(plans: dict) -> dict:
             "speculation pays there)"}
 
 
-def parameter_share(module, target) -> float:
-    return sum(p.numel() for p in module.parameters()) / sum(p.numel() for p in target.parameters())
-
-
-def drafter_step_costs(target, target_lm, probe, acceptance, max_k, draft, parallel, eagle3, heads):
-    """(seconds of a step drafting k = 0 .. max_k tokens here, the same on a GPU in target forwards)."""
-    from ..decoding import EagerLM
-
-    if eagle3 is not None:  # one pass of the draft layer per draft token
-        one = eagle3_step_seconds(eagle3, target_lm, probe)
-        own = sum(p.numel() for name, p in eagle3.named_parameters() if "embed" not in name)
-        share = own / sum(p.numel() for p in target.parameters())
-        return tuple(k * one for k in range(max_k + 1)), tuple(k * share for k in range(max_k + 1))
-    if heads is not None:  # one pass of the first k heads
-        share = parameter_share(heads, target) / heads.config.num_heads
-        device = next(target.parameters()).device
-        return ((0.0, *(medusa_heads_seconds(heads, k, device) for k in range(1, max_k + 1))),
-                tuple(k * share for k in range(max_k + 1)))
-    draft_lm, share = EagerLM(draft), parameter_share(draft, target)
-    if parallel:  # one forward of the pending tokens and k - 1 masks
-        widths = [min(2 * max_k, round(1 + sum(acceptance[:k - 1])) + k - 1) for k in range(1, max_k + 1)]
-        curve = forward_curve(draft_lm, probe, max(widths))
-        return (0.0, *(median(curve[w - 1]) for w in widths)), (0.0, *([share] * max_k))
-    one = median(forward_curve(draft_lm, probe, 1)[0])
-    return tuple(k * one for k in range(max_k + 1)), tuple(k * share for k in range(max_k + 1))
-
-
-def served_settings(k: int, where: str, parallel: dict | None, eagle3: bool, heads: bool) -> dict:
-    """vLLM's `speculative_config` and SGLang's server flags for K drafts a step of the export at
-    `where` (SGLang serves no Medusa heads)."""
-    method = "eagle3" if eagle3 else "medusa" if heads else "draft_model"
-    vllm = {"method": method, "model": where, "num_speculative_tokens": k,
-            **({"parallel_drafting": True} if parallel else {})}
-    out = {"vllm_speculative_config": vllm}
-    if not heads and not parallel:
-        out["sglang_server_args"] = {"speculative_algorithm": "EAGLE3" if eagle3 else "STANDALONE",
-                                     "speculative_draft_model_path": where, "speculative_num_steps": k,
-                                     "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1}
+def served_settings(k: int, where: str, drafter) -> dict:
+    """vLLM's `speculative_config` and SGLang's server flags (where SGLang serves the kind) for K
+    drafts a step of the export at `where`."""
+    kind = BY_NAME[drafter.kind]
+    out = {"vllm_speculative_config": kind.vllm(where, k, drafter, None)}
+    if kind.sglang is not None:
+        out["sglang_server_args"] = {"speculative_algorithm": kind.sglang, "speculative_draft_model_path": where,
+                                     "speculative_num_steps": k, "speculative_eagle_topk": 1,
+                                     "speculative_num_draft_tokens": k + 1}
     return out
 
 

@@ -379,7 +379,7 @@ def load_replay_draft(cfg: ReplayConfig, name: str, kind: str, path: str, tokeni
     what = f"{'EAGLE-3 ' if kind == 'eagle3' else ''}draft {name!r}"
     if kind == "eagle3":
         from ..eagle3.export import load_eagle3
-        from .loading import require_finite
+        from ..decoding.drafters.kind import require_finite
 
         target = target or load_causal_lm(cfg.target, dtype, device, "target")
         draft, _ = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)

@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from ..decoding.drafters import REGISTRY
 from .metrics import PromptResult, divergence
 
 FINGERPRINT_BYTES = 1 << 20  # hashed from each end of a weights file: enough to tell two models apart, fast
@@ -259,7 +260,7 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
         "tau = mean accepted length = new tokens / target forward passes (plain decoding: 1.0). "
         "Speedup = speculative tokens/s ÷ baseline tokens/s, both measured in this run on the same prompts.",
         "",
-        *_heads_note(report.get("heads")),
+        *(line for kind in REGISTRY if kind.report_note for line in kind.report_note(report)),
         "## Overall" + (" and by category" if len(report["by_category"]) > 1 else ""),
         "",
         metrics_table(categories_shown(report)),
@@ -359,14 +360,6 @@ def tree_costs_text(costs: dict) -> str:
             f"measured (ms): {steps}")
 
 
-def _heads_note(info: dict | None) -> list[str]:
-    if not info:
-        return []
-    lines = [f"Medusa heads: {info.get('kind', 'medusa-1')}, trained on target `{info.get('target')}`."]
-    if info.get("verifier"):
-        lines.append(f"**The verifier is the adapted target** `{info['verifier']}` (Medusa-2: LoRA adapters were "
-                     "trained jointly with the heads), not the original target; pass it as --target.")
-    return lines + [""]
 
 
 def write_report(out_dir: str | Path, report: dict, results: list[PromptResult]) -> None:

@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from ..decoding import build_decoder
+from ..decoding import CachedLM, build_decoder
+from ..decoding.drafters import BY_NAME, flagged, target_alone
 from ..decoding.engines.compiled import compile_cache_state
 from ..errors import UserError
 from ..models import context_length
@@ -44,9 +45,9 @@ def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = Fals
         generator = torch.Generator(device=models.device).manual_seed(cfg.seed + seed_offset)
     settings = dataclasses.replace(cfg.decode_settings(generator=generator, record_margins=record_margins),
                                    eos_token_ids=frozenset(models.eos))
-    drafter = models.drafter("none" if baseline or cfg.num_draft_tokens == 0 else cfg.drafter_kind)
-    if drafter.kind == "none":
-        settings = dataclasses.replace(settings, num_draft_tokens=0, ngram_hybrid=False)
+    drafter = models.drafter
+    if baseline or cfg.num_draft_tokens == 0 or not BY_NAME[drafter.kind].drafts:
+        drafter, settings = target_alone(), dataclasses.replace(settings.alone(), num_draft_tokens=0)
     return build_decoder(models.target_lm or models.target, drafter, settings)
 
 
@@ -89,13 +90,15 @@ def check_inputs(cfgs: list[EvalConfig]) -> None:
 
 
 def check_tree_used(cfgs: list[EvalConfig]) -> None:
-    """--tree shapes only Medusa heads' and EAGLE-3 drafts' steps: given for a run with neither, it
-    would be silently ignored, so it is an error (auto, the default, always fits)."""
+    """--tree shapes only a tree drafter's steps (Medusa heads', EAGLE-3 drafts'): given for a run
+    with none, it would be silently ignored, so it is an error (auto, the default, always fits)."""
     tree = cfgs[0].tree
-    if tree != "auto" and not any(cfg.drafter_kind in ("medusa", "eagle3") for cfg in cfgs):
-        drafters = ", ".join(sorted({f"--method {c.method}" if c.method else f"--{c.drafter_kind}" for c in cfgs}))
-        raise UserError(f"--tree {tree} shapes the steps of Medusa heads (--heads) and EAGLE-3 drafts (--eagle3), "
-                        f"not of {drafters}; leave --tree out")
+    if tree != "auto" and not any(BY_NAME[cfg.drafter_kind].tree is not None for cfg in cfgs):
+        trees = ", ".join(f"--{k.flag}" for k in flagged() if k.tree is not None)
+        drafters = ", ".join(sorted({f"--method {c.method}" if c.method else f"--{BY_NAME[c.drafter_kind].flag}"
+                                     for c in cfgs}))
+        raise UserError(f"--tree {tree} shapes the steps of tree drafters ({trees}), not of {drafters}; leave --tree "
+                        "out")
 
 
 def check_tree_nodes_auto(cfgs: list[EvalConfig]) -> None:
@@ -125,8 +128,7 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     if models is None:
         models = [load_models(first)]
         for cfg in cfgs[1:]:
-            models.append(attach_drafter(dataclasses.replace(models[0], draft=None, heads=None, heads_info={},
-                                                             eagle3=None, eagle3_info={}), cfg))
+            models.append(attach_drafter(models[0], cfg))
     loaded = models[0]
     prompts = encode_prompts(read_prompts(first.prompts, first.limit), loaded.tokenizer,
                              max_new_tokens=first.max_new_tokens, context_limit=context_length(loaded.target))
@@ -181,11 +183,11 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                 r.baseline, r.baseline_seconds = served_baseline if is_served else baseline
                 rs.append(r)
 
-    lms = {id(lm): lm for m in models for lm in (m.target_lm, m.draft_lm, m.eagle3_lm) if lm is not None}
+    lms = {id(lm): lm for m in models for lm in (m.target_lm, m.drafter.model) if hasattr(lm, "compile_seconds")}
     compile_seconds = sum(lm.compile_seconds for lm in lms.values())
     engine = {"requested": first.engine, "used": engine_used, "compile_seconds": compile_seconds,
               "compile_cache": compile_cache_state(compile_seconds), "warmup_seconds": warmup_seconds}
-    drafts = {m.draft_lm.engine for m in models if m.draft_lm is not None}
+    drafts = {m.drafter.model.engine for m in models if isinstance(m.drafter.model, CachedLM)}
     if drafts - {engine_used}:
         engine["draft_engines"] = sorted(drafts)
     evaluations = [Evaluation(cfg, build_report(cfg, m, decoder, rs, prompts[0], engine, plan), rs)

@@ -11,10 +11,9 @@ import torch
 
 from .. import __version__
 from ..decoding import as_cached_lm
-from ..parallel import parallel_info
+from ..decoding.drafters import BY_NAME
 from ..prompts import EncodedPrompt
 from .config import EvalConfig
-from .costs import eagle3_step_seconds, forward_seconds, single_token_seconds
 from .loading import LoadedModels
 from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, metrics_by_category
 from .report import report_inputs
@@ -47,34 +46,23 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[PromptResult], probe: EncodedPrompt,
                  engine: dict, plan: dict | None = None) -> dict:
-    k = 0 if cfg.drafter_kind == "none" else decoder.num_draft_tokens
-    parallel = parallel_info(models.draft.config) if models.draft is not None else None
+    drafter = models.drafter
+    kind = BY_NAME[drafter.kind]
+    k = decoder.num_draft_tokens if kind.drafts else 0
     cost = None
     if k and cfg.backend == "drafttrain":  # vLLM's step costs are its own: no prediction from ours
-        cost = 0.0  # n-gram lookup and heads cost next to nothing beside a target forward
+        # a lookup's or heads' step costs next to nothing beside a target forward
         target_lm = models.target_lm or as_cached_lm(models.target)
-        if parallel:  # one forward of the last token and K-1 masks per step, spread over its K drafts
-            step = probe.ids[-1:] + [parallel["pard_token"]] * (k - 1)
-            cost = (forward_seconds(models.draft_lm or as_cached_lm(models.draft), probe.ids, step)
-                    / k / single_token_seconds(target_lm, probe.ids))
-        elif models.draft is not None:
-            cost = (single_token_seconds(models.draft_lm or as_cached_lm(models.draft), probe.ids)
-                    / single_token_seconds(target_lm, probe.ids))
-        elif models.eagle3 is not None:
-            cost = (eagle3_step_seconds(models.eagle3_lm or models.eagle3, target_lm, probe.ids)
-                    / single_token_seconds(target_lm, probe.ids))
+        cost = kind.cost_ratio(drafter, target_lm, probe.ids, k) if kind.cost_ratio else 0.0
     num = numerics(models.dtype_name)
     kwargs = {"cost_ratio": cost, "near_tie_tolerance": num["near_tie_tolerance"]}
     overall = compute_metrics(results, k, cfg.greedy, **kwargs)
     mem, mem_kind = peak_memory(models.device)
     overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
     tree = getattr(decoder, "tree_name", None)  # None: a chain drafter, or a plan of no speculation
-    if tree is not None and (cfg.drafter_kind in ("eagle3", "medusa") or cfg.ngram):
+    if tree is not None and (kind.tree is not None or cfg.hybrid):  # a served chain is no tree drafter's
         overall["tree"] = tree
-        if cfg.drafter_kind == "medusa" or tree.startswith("dynamic"):
-            overall["tree_nodes"] = decoder.num_tree_nodes
-    if cfg.drafter_kind == "medusa":
-        overall["per_head_acceptance"] = overall["per_position_acceptance"]  # position i = head i's token
+    blocks = kind.report(drafter, decoder, overall) if kind.report else {}  # the kind's own, e.g. its export's record
     return {
         "drafter": cfg.drafter_name,
         # SPEC §2 rev 2: config.engine is the engine used; what was asked for is engine.requested.
@@ -84,9 +72,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
         "numerics": num,
         "backend": backend_info(cfg, decoder),  # SPEC §7
         "engine": dict(engine),
-        **({"heads": models.heads_info} if models.heads_info else {}),
-        **({"eagle3": models.eagle3_info} if models.eagle3_info else {}),
-        **({"parallel_draft": parallel} if parallel else {}),
+        **blocks,
         **({"plan": {**plan, "measured_speedup": overall.get("speedup")}} if plan else {}),
         "overall": overall,
         "by_category": metrics_by_category(results, k, cfg.greedy, **kwargs),

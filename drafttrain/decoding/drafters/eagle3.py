@@ -25,13 +25,15 @@ from __future__ import annotations
 import torch
 
 from ...eagle3.model import DraftStep, Eagle3Draft
-from ...trees import Path, Tree, best_first, check_paths, static_tree, tree_from_parents
+from ...trees import Path, Tree, best_first, check_paths, resolve_tree, static_tree, tree_from_parents
 from ..chain import ChainDecoder, Proposer
 from ..engines import StaticLM, as_cached_lm, device_tensor
+from ..timing import single_token_seconds, timed
 from ..tree import TreeDecoder, TreeDrafter
 from ..verify import probabilities, sample
 from .eagle3_cache import CachedEagle3Draft, as_cached_draft
-from .eagle3_tree import DynamicTree, candidate_count
+from .eagle3_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count
+from .kind import Drafter, DrafterKind, parameter_share, per_token, require_finite
 
 
 class Eagle3DraftCache:
@@ -150,7 +152,7 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
     name = "eagle3"
 
     def __init__(self, draft: Eagle3Draft, device, *, paths: list[Path] | None = None, depth: int = 4,
-                 topk: int = 4, nodes: int = 32):
+                 topk: int = DYNAMIC_TREE_TOPK, nodes: int = DYNAMIC_TREE_NODES):
         self.state = Eagle3DraftCache(draft, device)
         self.hidden_layers = self.state.hidden_layers
         self.device = torch.device(device)
@@ -286,7 +288,8 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
 
 
 def eagle3_decoder(target, draft: Eagle3Draft, *, num_draft_tokens: int, tree: str | list[Path] = "chain",
-                  tree_nodes: int = 32, tree_topk: int = 4, temperature: float = 0.0, top_p: float = 1.0,
+                  tree_nodes: int = DYNAMIC_TREE_NODES, tree_topk: int = DYNAMIC_TREE_TOPK, temperature: float = 0.0,
+                  top_p: float = 1.0,
                   eos_token_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
                   record_margins: bool = False):
     """The decoder for an EAGLE-3 draft. `tree`: "chain" (K drafts in a row; the only choice when
@@ -319,4 +322,84 @@ def cached_draft_for(target_lm, draft: Eagle3Draft, *, num_draft_tokens: int, tr
                              compile=target_lm.compile if compile is None else compile)
 
 
-__all__ = ["eagle3_decoder", "Eagle3Proposer", "Eagle3DraftCache", "Eagle3TreeDrafter", "cached_draft_for"]
+def eagle3_tree(drafter: Drafter, s) -> tuple[str, list | str] | None:
+    """Greedy: EAGLE-2's dynamic tree unless --tree names another (auto: dynamic); sampling and
+    --tree chain draft a chain (None)."""
+    if s.temperature > 0 or s.tree == "chain":
+        return None
+    name, paths = resolve_tree(s.tree, s.num_draft_tokens, auto="dynamic", nodes=s.tree_nodes)
+    return (f"dynamic ({s.dynamic_nodes} nodes, top-{s.tree_topk})" if paths == "dynamic" else name), paths
+
+
+def load_eagle3_draft(path: str, target, tokenizer, device, dtype) -> Drafter:
+    """An EAGLE-3 draft checked against the target, reading the target's embeddings."""
+    from ...eagle3.export import load_eagle3
+
+    draft, info = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)
+    require_finite(draft, "EAGLE-3 draft", path)
+    draft.attach_embeddings(target.get_input_embeddings())
+    draft.eval()
+    return Drafter("eagle3", draft, {"aux_layer_ids": list(info.aux_layer_ids),
+                                     "draft_vocab_size": info.draft_vocab_size, **(info.config.get("drafttrain") or {})})
+
+
+def eagle3_step_seconds(draft: Eagle3Draft | CachedEagle3Draft, target_lm, prompt: list[int],
+                        repeats: int = 10) -> float:
+    """Median time of one EAGLE-3 chain drafting step (one token through the draft layer and its
+    head, on the draft's engine), after feeding the prompt's target features: the draft's share
+    of a chain step."""
+    state = Eagle3DraftCache(draft, target_lm.device)
+    draft = state.draft
+    state.engine.warmup([(1, 1)])
+    target_lm.reset()
+    _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device),
+                                  hidden_layers=tuple(draft.config.aux_layer_ids))
+    state.reset(prompt, hidden)
+    token = device_tensor(prompt[-1:], target_lm.device).view(1, 1)
+    position = torch.full((1, 1), state.length, dtype=torch.long, device=target_lm.device)
+
+    def step():
+        out = state.step(state.last.hidden[:, -1:], token, position)
+        draft.to_target_logits(out.logits[0, -1]).argmax()
+
+    return timed(step, repeats, target_lm.device, after=lambda: state.cache.rollback(state.length - 1))
+
+
+def _bind(drafter: Drafter, target_lm, engine: str, max_length: int, s) -> Drafter:
+    """The draft layer follows the target: static (compiled) beside static."""
+    cached = cached_draft_for(target_lm, drafter.model, num_draft_tokens=s.num_draft_tokens,
+                              tree_nodes=s.dynamic_nodes, tree_topk=s.tree_topk)
+    return Drafter(drafter.kind, cached, drafter.info)
+
+
+def _seconds(drafter, target_lm, ids, max_k, acceptance, repeats):
+    """A chain: one pass of the draft layer per draft token."""
+    return per_token(eagle3_step_seconds(drafter.model, target_lm, ids, repeats), max_k), []
+
+
+def _report(drafter, decoder, overall) -> dict:
+    if overall.get("tree", "").startswith("dynamic"):
+        overall["tree_nodes"] = decoder.num_tree_nodes
+    return {"eagle3": drafter.info} if drafter.info else {}
+
+
+def _eagle3(target, drafter, s):
+    tree = eagle3_tree(drafter, s)
+    return eagle3_decoder(target, drafter.model, num_draft_tokens=s.num_draft_tokens,
+                          tree="chain" if tree is None else tree[1], tree_nodes=s.dynamic_nodes, tree_topk=s.tree_topk,
+                          temperature=s.temperature, top_p=s.top_p, eos_token_ids=s.eos_token_ids,
+                          generator=s.generator, record_margins=s.record_margins)
+
+
+KIND = DrafterKind(
+    "eagle3", _eagle3, flag="eagle3", help="EAGLE-3 draft directory (SGLang's / vLLM's layout) trained on this target.",
+    load=load_eagle3_draft, bind=_bind, tree=eagle3_tree, grows_trees=True, takes_lookup=True,
+    tree_vocab=lambda d: (d.model.config.draft_vocab_size, "the EAGLE-3 draft's"), step_seconds=_seconds,
+    draft_forwards=lambda d, max_k, acceptance: [(k, 1) for k in range(1, max_k + 1)],
+    cost_ratio=lambda d, target_lm, ids, k: eagle3_step_seconds(d.model, target_lm, ids) / single_token_seconds(target_lm, ids),
+    gpu_costs=lambda d, target, max_k: per_token(parameter_share(d.model, target, skip="embed"), max_k),
+    sglang="EAGLE3", report=_report, vllm=lambda path, k, d, s: {"method": "eagle3", "model": path, "num_speculative_tokens": k},
+    vllm_forwards=lambda k, d: k)
+
+__all__ = ["KIND", "eagle3_decoder", "Eagle3Proposer", "Eagle3DraftCache", "Eagle3TreeDrafter", "cached_draft_for",
+           "eagle3_step_seconds"]

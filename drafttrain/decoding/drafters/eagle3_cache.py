@@ -138,7 +138,6 @@ class CachedEagle3Draft:
         self.meta: torch.Tensor | None = None  # static: [feed tokens..., start, count] of the last feed
         self._compiled: dict[str, CompiledStep] = {}
         self._one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
-        torch._dynamo.mark_static_address(self._one)  # a constant: compiled steps read it in place
 
     @property
     def length(self) -> int:

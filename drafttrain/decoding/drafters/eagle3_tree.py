@@ -21,6 +21,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
+DYNAMIC_TREE_NODES = 32  # EAGLE-2's dynamic tree when no node count is given (the root included)
+DYNAMIC_TREE_TOPK = 4    # nodes it expands per depth, and children drafted per node, unless told
+
 
 class DynamicTree(NamedTuple):
     """The tree a step verifies (node 0 = the pending token), and every candidate drafted, for a

@@ -1,5 +1,5 @@
-"""A model drafter plus n-gram lookup (`+ngram`): the lookup's continuation verified as one more
-branch of the model's tree, in the SAME target pass.
+"""A model drafter plus a lookup (`+ngram`, `+suffix`: any kind with a `lookup`): the lookup's
+continuation verified as one more branch of the model's tree, in the SAME target pass.
 
 Each step the model drafts as it would alone (a draft LM's chain, sequential or parallel; an
 EAGLE-3 draft's chain, static tree or EAGLE-2 dynamic tree; Medusa heads' static tree) and the
@@ -27,7 +27,6 @@ from ...trees import Tree, chain, path_nodes
 from ..chain import ChainDecoder, Proposer
 from ..engines import device_tensor
 from ..tree import TreeDecoder, TreeDrafter
-from .ngram import ngram_lookup
 
 
 def hang_lookup(tokens: torch.Tensor, tree: Tree, lookup: list[int]) -> tuple[torch.Tensor, Tree, torch.Tensor]:
@@ -102,13 +101,14 @@ class ChainAsTree(TreeDrafter):
 
 
 class HybridDrafter(TreeDrafter):
-    """`model`'s tree (a `TreeDrafter`, or a chain through `ChainAsTree`) with n-gram lookup's
-    continuation (suffixes of at most `max_ngram` tokens) merged in, each step."""
+    """`model`'s tree (a `TreeDrafter`, or a chain through `ChainAsTree`) with a lookup's
+    continuation merged in, each step. `lookup`: a lookup proposer (`NgramProposer`,
+    `SuffixProposer`): `reset(prompt)` and `lookup(k, sequence)`, on the host."""
 
     name = "hybrid"
 
-    def __init__(self, model: TreeDrafter, device, max_ngram: int = 3):
-        self.model, self.device, self.max_ngram = model, torch.device(device), max_ngram
+    def __init__(self, model: TreeDrafter, device, lookup):
+        self.model, self.device, self.lookup = model, torch.device(device), lookup
         self.hidden_layers = tuple(model.hidden_layers)
         # the lookup adds at most one chain, no deeper than a step of the model may go
         self.max_depth, self.max_nodes, self.paths = model.max_depth, model.max_nodes + model.max_depth, None
@@ -127,6 +127,7 @@ class HybridDrafter(TreeDrafter):
 
     def reset(self, prompt, hidden=None):
         self.sequence = list(prompt)
+        self.lookup.reset(prompt)
         self.model.reset(prompt, hidden)
 
     def warmup(self) -> float:
@@ -138,7 +139,7 @@ class HybridDrafter(TreeDrafter):
 
     def draft(self, root, depth):
         tokens, tree = self.model.draft(root, depth)
-        self.last_lookup = ngram_lookup(self.sequence, depth, self.max_ngram)
+        self.last_lookup = self.lookup.lookup(depth, self.sequence)
         if not self.last_lookup:  # most steps of fresh text: the model's tree as it is
             return tokens, tree
         tokens, tree, added = hang_lookup(tokens, tree, self.last_lookup)
@@ -150,15 +151,15 @@ class HybridDrafter(TreeDrafter):
         self.sequence += list(accepted) + [bonus]
 
 
-def hybrid_decoder(decoder: ChainDecoder | TreeDecoder, max_ngram: int = 3) -> TreeDecoder:
-    """A greedy decoder's drafter with n-gram lookup joined: a tree decoder on the same target,
-    with the same EOS tokens and margin recording."""
+def hybrid_decoder(decoder: ChainDecoder | TreeDecoder, lookup) -> TreeDecoder:
+    """A greedy decoder's drafter with `lookup` (a lookup proposer) joined: a tree decoder on the
+    same target, with the same EOS tokens, rule and margin recording."""
     if isinstance(decoder, TreeDecoder):
         model = decoder.drafter
     else:
         model = ChainAsTree(decoder.proposer, decoder.num_draft_tokens, decoder.device)
-    return TreeDecoder(decoder.target, HybridDrafter(model, decoder.device, max_ngram),
-                       eos_token_ids=decoder.eos, record_margins=decoder.record_margins)
+    return TreeDecoder(decoder.target, HybridDrafter(model, decoder.device, lookup),
+                       eos_token_ids=decoder.eos, record_margins=decoder.record_margins, rule=decoder.rule)
 
 
 __all__ = ["ChainAsTree", "HybridDrafter", "hang_lookup", "hybrid_decoder"]

@@ -27,11 +27,13 @@ import torch
 
 from ...errors import UserError
 from ...medusa.model import MedusaHeads
-from ...trees import Path, StaticTree, best_first, chain_tree, default_tree, static_tree
+from ...trees import Path, StaticTree, best_first, chain_tree, default_tree, resolve_tree, static_tree
 from ..chain import ChainDecoder, Proposer
 from ..engines import as_cached_lm
+from ..timing import timed
 from ..tree import TreeDecoder, TreeDrafter
 from ..verify import probabilities, sample
+from .kind import Drafter, DrafterKind, parameter_share, per_token, require_finite
 
 
 def tree_candidates(root_token, head_topk_tokens: torch.Tensor, tree: StaticTree) -> torch.Tensor:
@@ -173,3 +175,82 @@ def medusa_decoder(target, heads: MedusaHeads, *, tree: list[Path] | None = None
                         f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
     return TreeDecoder(lm, MedusaDrafter(heads, buffers, lm.num_layers, lm.device, order=paths),
                        eos_token_ids=eos_token_ids, record_margins=record_margins)
+
+
+def medusa_tree(drafter: Drafter, s) -> tuple[str, list]:
+    """The heads' tree (auto: the one calibrated at training), at most as deep as K and the
+    heads; when sampling only its depth is used: a chain that deep."""
+    depth = min(s.num_draft_tokens, drafter.model.config.num_heads)  # head i drafts position i + 1
+    name, paths = resolve_tree(s.tree, depth, auto=drafter.info.get("tree"), nodes=s.tree_nodes)
+    return (name if s.temperature == 0 else "chain (sampling)"), paths
+
+
+def load_heads(path: str, target, tokenizer, device, dtype) -> Drafter:
+    """Medusa heads and what their export recorded, or one `error:` line for a damaged weights
+    file or non-finite weights."""
+    from ...medusa.export import load_medusa, read_heads_info
+    from ...models import first_line
+
+    try:
+        heads = load_medusa(path, device=device, dtype=dtype)
+    except UserError:
+        raise
+    except Exception as e:  # safetensors' SafetensorError (truncated or empty file), a bad pickle, ...
+        raise UserError(f"cannot load the Medusa heads from {path!r}: their weights file is damaged "
+                        f"({first_line(e)}); export the heads again") from e
+    require_finite(heads, "Medusa heads", path)
+    return Drafter("medusa", heads, read_heads_info(path))
+
+
+def medusa_heads_seconds(heads, k: int, device, repeats: int = 10) -> float:
+    """Median time of the first k Medusa heads reading one hidden state: a sampling chain's draft."""
+    hidden = torch.randn(heads.config.hidden_size, device=device)
+    return timed(lambda: head_logits(heads, hidden, k, device).argmax(dim=-1), repeats, device)
+
+
+def _seconds(drafter, target_lm, ids, max_k, acceptance, repeats):
+    """Sampling: one pass of the first k heads."""
+    return [0.0] + [medusa_heads_seconds(drafter.model, k, target_lm.device, repeats) for k in range(1, max_k + 1)], []
+
+
+def _report(drafter, decoder, overall) -> dict:
+    """Position i is head i's token; a static tree's nodes."""
+    overall["per_head_acceptance"] = overall["per_position_acceptance"]
+    if "tree" in overall:
+        overall["tree_nodes"] = decoder.num_tree_nodes
+    return {"heads": drafter.info} if drafter.info else {}
+
+
+def _note(report: dict) -> list[str]:
+    """report.md's lines on the heads' export: which kind, and the verifier when it is not the target."""
+    info = report.get("heads")
+    if not info:
+        return []
+    lines = [f"Medusa heads: {info.get('kind', 'medusa-1')}, trained on target `{info.get('target')}`."]
+    if info.get("verifier"):
+        lines.append(f"**The verifier is the adapted target** `{info['verifier']}` (Medusa-2: LoRA adapters were "
+                     "trained jointly with the heads), not the original target; pass it as --target.")
+    return lines + [""]
+
+
+def _served(path, k, drafter, s) -> dict:
+    heads = drafter.model.config.num_heads
+    if k > heads:
+        raise UserError(f"--backend vllm: vLLM drafts one token per Medusa head and these heads are {heads}; use "
+                        f"--num-draft-tokens {heads} or less")
+    return {"method": "medusa", "model": path, "num_speculative_tokens": k}
+
+
+def _medusa(target, drafter, s):
+    return medusa_decoder(target, drafter.model, tree=medusa_tree(drafter, s)[1], temperature=s.temperature,
+                          top_p=s.top_p, eos_token_ids=s.eos_token_ids, generator=s.generator,
+                          record_margins=s.record_margins)
+
+
+KIND = DrafterKind(
+    "medusa", _medusa, flag="heads", help="Medusa heads directory (vLLM's format) trained on this target.",
+    load=load_heads, tree=medusa_tree, tree_vocab=lambda d: (d.model.config.vocab_size, "the Medusa heads'"),
+    depth_limit=lambda d: d.model.config.num_heads,
+    takes_lookup=True, step_seconds=_seconds, draft_forwards=lambda d, max_k, acceptance: [(1, 1)] * max_k,
+    gpu_costs=lambda d, target, max_k: per_token(parameter_share(d.model, target) / d.model.config.num_heads, max_k),
+    report=_report, report_note=_note, vllm=_served, vllm_forwards=lambda k, d: 1)

@@ -9,6 +9,7 @@ import torch
 
 from ..chain import Proposer
 from ..engines import device_tensor
+from .kind import DrafterKind, chain_decoder
 
 
 class NgramProposer(Proposer):
@@ -19,8 +20,12 @@ class NgramProposer(Proposer):
     def __init__(self, device: torch.device, max_ngram: int = 3, min_ngram: int = 1):
         self.device, self.max_ngram, self.min_ngram = torch.device(device), max_ngram, min_ngram
 
+    def lookup(self, k: int, sequence: list[int]) -> list[int]:
+        """The continuation on the host (what a hybrid hangs from a model's tree)."""
+        return ngram_lookup(sequence, k, self.max_ngram, self.min_ngram)
+
     def propose(self, k, sequence):
-        return device_tensor(ngram_lookup(sequence, k, self.max_ngram, self.min_ngram), self.device), None
+        return device_tensor(self.lookup(k, sequence), self.device), None
 
 
 def ngram_lookup(sequence: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -34,3 +39,18 @@ def ngram_lookup(sequence: list[int], k: int, max_ngram: int = 3, min_ngram: int
             if sequence[start:start + n] == suffix:
                 return sequence[start + n:start + n + k]
     return []
+
+
+def _ngram(target, drafter, s):
+    return chain_decoder(target, NgramProposer(target.device, max_ngram=s.ngram_max), s)
+
+
+def _served(path, k, drafter, s) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": s.ngram_max}
+
+
+KIND = DrafterKind("ngram", _ngram, method=True, help="prompt lookup", label="n-gram",
+                   lookup=lambda s: NgramProposer("cpu", max_ngram=s.ngram_max), planned_from_walks=True,
+                   vllm=_served, vllm_forwards=lambda k, d: 0,
+                   served_note="vLLM continues the earliest match of the longest suffix, drafttrain the latest, so "
+                               "the two propose different drafts (no export is involved)")

@@ -8,6 +8,7 @@ import torch
 
 from ..chain import Proposer
 from ..engines import device_tensor
+from .kind import DrafterKind, chain_decoder
 
 
 class OracleProposer(Proposer):
@@ -48,3 +49,12 @@ class OracleProposer(Proposer):
         draft = [t if self.rng.random() < self.alpha else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
                  for t in truth]
         return device_tensor(draft, self.device), None
+
+
+def _oracle(target, drafter, s):
+    oracle = OracleProposer(drafter.model, drafter.info["alpha"], drafter.info.get("vocab", target.vocab_size),
+                            target.device, seed=drafter.info.get("seed", 0))
+    return chain_decoder(target, oracle, s)
+
+
+KIND = DrafterKind("oracle", _oracle)  # `drafttrain bench` only: no flag

@@ -14,12 +14,18 @@ which the chain rejection rule allows, so decoding stays exactly the target's di
 
 from __future__ import annotations
 
+from statistics import median
+
 import torch
 
+from ...planning import noisy
+from ...tokens import output_vocab_size
 from ..chain import Proposer
 from ..engines import as_cached_lm, device_tensor
+from ..timing import forward_curve, forward_seconds, single_token_seconds
 from ..verify import probabilities, sample
-from .draft_lm import target_vocab_logits
+from .draft_lm import bind_draft_lm, served_path, target_vocab_logits
+from .kind import Drafter, DrafterKind, chain_decoder, parameter_share
 
 
 class ParallelDraftProposer(Proposer):
@@ -62,3 +68,38 @@ class ParallelDraftProposer(Proposer):
 
     def commit(self, n_accepted, emitted, hidden=None):
         self.pending = self.pending + list(emitted)  # accepted drafts and the bonus: real tokens now
+
+
+def parallel_widths(acceptance: list[float], max_k: int) -> list[int]:
+    """A parallel draft's forward when drafting k = 1 .. max_k: the pending tokens (the last step's
+    emitted ones, on average, from per-position `acceptance`) and k - 1 masks."""
+    return [min(2 * max_k, round(1 + sum(acceptance[:k - 1])) + k - 1) for k in range(1, max_k + 1)]
+
+
+def parallel_seconds(drafter: Drafter, target_lm, ids: list[int], max_k: int, acceptance: list[float],
+                     repeats: int) -> tuple[list[float], list[str]]:
+    """One forward of the pending tokens and k - 1 masks to draft k."""
+    widths = parallel_widths(acceptance, max_k)
+    curve = forward_curve(as_cached_lm(drafter.model), ids, max(widths), repeats=repeats)
+    return [0.0] + [median(curve[w - 1]) for w in widths], noisy(curve)
+
+
+def parallel_cost(drafter: Drafter, target_lm, ids: list[int], k: int) -> float:
+    """One forward of the last token and K-1 masks per step, spread over its K drafts."""
+    step = ids[-1:] + [drafter.info["pard_token"]] * (k - 1)
+    return forward_seconds(as_cached_lm(drafter.model), ids, step) / k / single_token_seconds(target_lm, ids)
+
+
+def _parallel(target, drafter, s):
+    proposer = ParallelDraftProposer(drafter.model, output_vocab_size(target.model), drafter.info["pard_token"],
+                                     s.temperature, s.top_p, s.generator,
+                                     parallel_tokens=drafter.info.get("parallel_tokens"))
+    return chain_decoder(target, proposer, s)
+
+
+KIND = DrafterKind(
+    "parallel_draft", _parallel, bind=bind_draft_lm, takes_lookup=True, step_seconds=parallel_seconds,
+    draft_forwards=lambda d, max_k, acceptance: [(1, w) for w in parallel_widths(acceptance, max_k)],
+    cost_ratio=parallel_cost, report=lambda d, decoder, overall: {"parallel_draft": d.info},
+    gpu_costs=lambda d, target, max_k: [0.0] + [parameter_share(d.model, target)] * max_k,
+    vllm=served_path, vllm_forwards=lambda k, d: 1)

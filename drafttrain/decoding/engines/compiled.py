@@ -6,8 +6,7 @@ shape with `torch.compile(fullgraph=True, dynamic=False)`; on CUDA with `mode="r
 so each shape is captured as a CUDA graph. Lengths, positions and masks are tensor inputs, never
 Python ints inside the graph, or every new length would recompile.
 
-Inputs are copied into the step's own buffers (one set per input signature; tensors marked as
-static addresses, such as constant masks, are read in place): the graph always
+Inputs are copied into the step's own buffers (one set per input signature): the graph always
 sees the same addresses, strides and inference-ness, so no guard fails on a caller's layout and
 a CUDA graph reads them in place; the step runs under `no_grad`, whatever the caller's mode. CUDA graph trees share one memory pool across graphs, so an
 output is only safe to keep past the next compiled call once copied: on CUDA the outputs are
@@ -81,11 +80,6 @@ def _clone(out):
     return out
 
 
-def _static(arg) -> bool:
-    """A tensor at a fixed address already (a cache, a constant mask): read in place."""
-    return hasattr(arg, "_dynamo_static_input_type")
-
-
 def _signature(args) -> tuple:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
 
@@ -117,9 +111,9 @@ class CompiledStep:
         staged = self._buffers[key]
         with torch.no_grad():
             for buffer, arg in zip(staged, args):
-                if buffer is not None and not _static(arg):
+                if buffer is not None:
                     buffer.copy_(arg)
-        return [arg if buffer is None or _static(arg) else buffer for buffer, arg in zip(staged, args)]
+        return [arg if buffer is None else buffer for buffer, arg in zip(staged, args)]
 
     def __call__(self, *args):
         staged = self._staged(args)

@@ -300,7 +300,6 @@ class StaticLM(CachedLM):
     def causal(self, n: int) -> torch.Tensor:
         if n not in self._causal:
             self._causal[n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            torch._dynamo.mark_static_address(self._causal[n])  # a constant: compiled steps read it in place
         return self._causal[n]
 
     @torch.no_grad()

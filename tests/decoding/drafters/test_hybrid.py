@@ -14,7 +14,7 @@ import pytest
 import torch
 from engines import ENGINES, on_engine, ready
 from test_medusa_decoding import PlantedHeads, noisy_heads, planted_ranks
-from tiny import greedy_reference, noisy_copy, tiny_lm
+from tiny import greedy_reference, noisy_copy, tiny_gemma3, tiny_lm
 
 from drafttrain.decoding import DecodeSettings, Drafter, build_decoder
 from drafttrain.decoding.drafters.hybrid import hang_lookup
@@ -22,7 +22,7 @@ from drafttrain.decoding.factory import max_step_tokens, tree_name
 from drafttrain.trees import tree_from_parents
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eagle3"))  # the EAGLE-3 tests' trained draft
-from eagle3_helpers import trained_pair  # noqa: E402
+from eagle3_helpers import tiny_draft, tiny_target, trained_pair  # noqa: E402
 
 MASK = 9
 # the second and third repeat themselves, as code re-emitting its prompt does
@@ -154,6 +154,28 @@ def test_tree_hybrids_equal_generate(models, engine, model, k):
     assert decoder.num_tree_nodes == alone.num_tree_nodes + alone.num_draft_tokens <= max_step_tokens(drafter, settings)
     assert decoder.tree_name == tree_name(drafter, settings)
     check_greedy(target, decoder, k)
+
+
+@pytest.fixture(scope="module")
+def gemma3_models():
+    """Each kind again on a tiny Gemma-3 target (sliding and global layers, a 4-token window every
+    prompt runs past); the LM drafters are models, put on the engine by the test."""
+    target, eagle3_target = tiny_gemma3(0), tiny_target(seed=3, arch="gemma3")
+    return {"draft": (target, noisy_copy(target, scale=0.6), {}),
+            "parallel_draft": (target, tiny_gemma3(1), {}),
+            "eagle3-dynamic": (eagle3_target, Drafter("eagle3", tiny_draft(eagle3_target, scale=0.5)),
+                               dict(tree="dynamic", tree_nodes=12, tree_topk=3)),
+            "medusa": (target, Drafter("medusa", noisy_heads(target, 3)), dict(tree="default"))}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("model", ["draft", "parallel_draft", "eagle3-dynamic", "medusa"])
+def test_hybrids_equal_generate_on_gemma3(gemma3_models, engine, model):
+    target, drafter, extra = gemma3_models[model]
+    if model in ("draft", "parallel_draft"):
+        drafter = lm_drafter(model, drafter, engine)
+    settings = DecodeSettings(num_draft_tokens=3, ngram_hybrid=True, **extra)
+    check_greedy(target, ready(build_decoder(on_engine(target, engine), drafter, settings), engine), 3)
 
 
 def tau(decoders) -> float:

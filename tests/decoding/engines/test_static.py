@@ -266,7 +266,7 @@ def test_gemma3_tree_pass_and_compact_equal_transformers(engine):
 
 def test_gemma3_batch_rows_equal_each_prompt_alone():
     """Left-padded rows: the window counts each row's own positions, not the padded slots."""
-    from drafttrain.data.generation import left_pad
+    from drafttrain.tokens import left_pad
     from drafttrain.decoding.batch import BatchGenerator
 
     model = build("gemma3")

@@ -1,0 +1,66 @@
+"""Drafter kinds are declared once (`decoding/drafters/<kind>.py`, listed in `drafters.REGISTRY`):
+the factory, the planner and evaluation read the registry and never name a kind themselves.
+Read from the source with `ast`: a kind's name, flag or vLLM method as a string, an attribute of a
+kind's flag (`cfg.heads`), or an import of a kind's module is a module naming a kind."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from drafttrain.decoding.drafters import REGISTRY
+
+PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
+READERS = [PACKAGE / "decoding" / "factory.py", PACKAGE / "planning.py", *sorted((PACKAGE / "evaluation").glob("*.py"))]
+NOT_YET = {"replay.py"}  # `replay` still loads its draft LM or EAGLE-3 draft by name (issue 27: left to do)
+KIND_MODULES = {"draft_lm", "parallel_lm", "ngram", "suffix", "oracle", "medusa", "eagle3", "eagle3_cache",
+                "eagle3_tree", "plain", "eagle3.export", "eagle3.model", "medusa.export", "medusa.model"}
+
+
+def kind_words() -> set[str]:
+    """What names a kind: its name or its flag (but `none`, the word for the target alone in
+    every choice list; `draft` and `suffix` are checked as strings only: a draft token, Path.suffix)."""
+    words = {k.name for k in REGISTRY} | {k.flag for k in REGISTRY if k.flag}
+    return words - {"none"}
+
+
+def namings(path: Path) -> list[str]:
+    words, found = kind_words(), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        where = f"{path.relative_to(PACKAGE)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in words:
+            found.append(f"{where} the string {node.value!r}")
+        elif isinstance(node, ast.Attribute) and node.attr in words - {"draft", "suffix"}:  # Path.suffix
+            found.append(f"{where} the attribute .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            module = node.module.removeprefix("drafters.").removeprefix("decoding.drafters.")
+            names = {module} | {f"{module}.{a.name}" for a in node.names} | {a.name for a in node.names}
+            if names & KIND_MODULES:
+                found.append(f"{where} an import of {sorted(names & KIND_MODULES)}")
+    return found
+
+
+def test_no_module_outside_drafters_names_a_kind():
+    found = [f for path in READERS if path.name not in NOT_YET for f in namings(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_check_finds_a_kind_named(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('from ..decoding.drafters.medusa import x\nif cfg.heads or kind == "eagle3":\n    pass\n')
+    assert len(namings_at(bad)) == 3
+
+
+def namings_at(path: Path) -> list[str]:
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, path.parent
+    try:
+        return namings(path)
+    finally:
+        PACKAGE = saved
+
+
+def test_every_kind_is_registered_once_with_a_builder():
+    names = [k.name for k in REGISTRY]
+    assert len(names) == len(set(names)) and all(callable(k.build) for k in REGISTRY)
+    assert "suffix" in names
