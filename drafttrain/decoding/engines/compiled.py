@@ -8,7 +8,8 @@ Python ints inside the graph, or every new length would recompile.
 
 Inputs are copied into the step's own buffers (one set per input signature): the graph always
 sees the same addresses, strides and inference-ness, so no guard fails on a caller's layout and
-a CUDA graph reads them in place; the step runs under `no_grad`, whatever the caller's mode. CUDA graph trees share one memory pool across graphs, so an
+a CUDA graph reads them in place; the step runs under `no_grad` and outside inference mode,
+whatever the caller's mode (a graph compiled in one mode fails its guards in the other). CUDA graph trees share one memory pool across graphs, so an
 output is only safe to keep past the next compiled call once copied: on CUDA the outputs are
 cloned (small: tokens, a tree, one step's logits); on the CPU they are returned as they are.
 Warming up runs a shape three times: CUDA graph trees warm up, record, then replay.
@@ -117,7 +118,7 @@ class CompiledStep:
 
     def __call__(self, *args):
         staged = self._staged(args)
-        with paused(), torch.no_grad():
+        with paused(), torch.inference_mode(False), torch.no_grad():  # one mode for every caller: guards hold
             if self.cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
             out = self.fn(*staged)
