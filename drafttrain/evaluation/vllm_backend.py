@@ -104,6 +104,11 @@ class ServedEngines:
 
         self.sampling_params = SamplingParams
         kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES}  # not a share of memory: training may hold the rest
+        if spec and spec["method"] == "draft_model":
+            # vLLM's hybrid KV cache manager splits a sliding-window target's layers (Gemma-3's) into
+            # groups its draft-model proposer cannot share ("All drafting layers should belong to the
+            # same kv cache group"): one group for every layer instead
+            kwargs["disable_hybrid_kv_cache_manager"] = True
         start = time.perf_counter()
         try:
             llm = LLM(model=target, dtype=dtype, seed=seed, max_model_len=max_model_len, speculative_config=spec,
