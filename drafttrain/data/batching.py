@@ -14,7 +14,6 @@ from ..tokens import cut_at_eos, left_pad, pad_token_id
 from .config import DataConfig
 from .sampling import prompt_seeds, sampling_kwargs
 
-PROBE_TOKENS = 32   # new tokens per probe: enough decode steps that the prefill does not dominate
 FIRST_PROBE = 8     # smaller batches never won (SmolLM2, 2 CPU cores: 1: 24, 4: 57, 8: 107 tokens/s) and cost the most
 MAX_BATCH = 512     # past this, a GPU gains little on drafters' targets, and the chunks get too few to share
 LOCKSTEP_BATCH = 16  # a sharded target's batch: its ranks cannot measure one alone
@@ -80,13 +79,16 @@ class EngineWriter:
         return size, "measured, tokens/s by batch: " + ", ".join(f"{b}: {r:.0f}" for b, r in rates.items())
 
     def measure(self, b: int) -> float:
-        """tokens/s of answers to b mid-length prompts, PROBE_TOKENS long (uncompiled)."""
+        """tokens/s of whole answers to b mid-length prompts (uncompiled). Whole, not a few tokens:
+        a batch runs until its longest answer ends, so a short probe, where every row still runs,
+        overrates big batches (SmolLM2 on 2 CPU cores: 32 tokens probed 290 tokens/s at 128 rows,
+        which then wrote 158 where 32 rows wrote 191; docs/benchmarks.md, session 10)."""
         order = longest_first(self.prompts)
         middle = len(order) // 2
         indices = [order[(middle + j) % len(order)] for j in range(b)]
         static = self._generator(b, compile=False) if self.engine == "static" else None
         start = time.perf_counter()
-        chunk = self.write(indices, max_new_tokens=min(PROBE_TOKENS, self.cfg.max_response_tokens), static=static)
+        chunk = self.write(indices, static=static)
         return sum(len(r) for r in chunk["response_ids"]) / max(time.perf_counter() - start, 1e-9)
 
     def _generator(self, batch_size: int, compile: bool | None = None):
