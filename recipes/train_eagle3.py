@@ -45,11 +45,10 @@ from drafttrain.eagle3.loss import (eagle3_loss, first_trained_index, next_token
 from drafttrain.eagle3.model import Eagle3Draft, check_aux_layer_ids
 from drafttrain.eagle3.vocab import build_draft_vocab
 from drafttrain.errors import UserError
-from drafttrain.evaluation.plan import export_plans, planned_k
-from drafttrain.export import held_out_record
+from drafttrain.evaluation.plan import export_plans
 from drafttrain.models import DTYPES
 from drafttrain.tokens import output_vocab_size
-from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
+from drafttrain.training.acceptance import held_out_acceptance, table_row
 from drafttrain.training.distributed import is_sharded
 from drafttrain.training.frozen import gathered
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
@@ -278,26 +277,19 @@ class Eagle3Recipe(Recipe):
         rows = [table_row(f"initial (before training), {how(cfg.eval.tree)}", initial),
                 table_row(f"final (step {result.best_step}), {how(cfg.eval.tree)}", final),
                 table_row(f"final (step {result.best_step}), {how(other)}", other_metrics)]
-        chosen = "best held-out tau" if cfg.train.keep_best else "last"
         chain = final if cfg.eval.tree == "chain" else other_metrics
         plans = extra["plans"]
-        record = held_out_record(chain, len(self.prompts)) | {"plans": plans}
+        record = self.card_record(chain, plans)
 
-        def write(rows: list[dict]) -> None:
-            save_eagle3(model.to(DTYPES[cfg.export_dtype]), self.out / "final", acceptance_table=rows, record=record,
+        def write(served: list[dict]) -> None:
+            save_eagle3(model.to(DTYPES[cfg.export_dtype]), self.out / "final", acceptance_table=rows + served,
+                        record=record,
                         base_info={"target": cfg.target, "recipe": f"drafttrain {self.script}",
                                    "draft vocabulary": f"{model.config.draft_vocab_size} most frequent target tokens",
                                    "training-time-test steps": cfg.loss.ttt_steps, "teacher": self.teacher_kind,
-                                   "training steps": result.step,
-                                   "exported weights": f"step {result.best_step} ({chosen})",
-                                   "held-out prompts": len(self.prompts), **planned_k(plans)})
+                                   **self.trained_info(result, plans)})
 
-        write(rows)
-        served = served_row(self.out / "final", "eagle3", cfg.target, self.prompts, dtype=cfg.export_dtype,
-                            num_draft_tokens=cfg.eval.num_draft_tokens, max_new_tokens=cfg.eval.max_new_tokens,
-                            eos_token_ids=set(self.eos_ids))
-        if served:  # vLLM is installed: the card also shows the export as vLLM serves it (a chain)
-            write(rows + [served])
+        self.export_with_served_row(write, "eagle3", cfg.eval.num_draft_tokens)  # vLLM serves it as a chain
 
 
 class Eagle3Collator(TrainingCollator):

@@ -39,7 +39,7 @@ from drafttrain.data import response_window
 from drafttrain.decoding import DecodeSettings, Drafter
 from drafttrain.errors import UserError
 from drafttrain.evaluation.plan import export_plans, planned_k
-from drafttrain.export import held_out_record, render_acceptance_table
+from drafttrain.export import render_acceptance_table
 from drafttrain.fileio import atomic_dir
 from drafttrain.medusa.calibrate import head_topk_accuracy
 from drafttrain.medusa.export import save_medusa
@@ -49,7 +49,7 @@ from drafttrain.trees import chain_tree, tree_from_accuracies
 from drafttrain.models import DTYPES
 from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size
-from drafttrain.training.acceptance import held_out_acceptance, served_row, table_row
+from drafttrain.training.acceptance import held_out_acceptance, table_row
 from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
 
 # ----------------------------------------------------------------------------- config
@@ -245,18 +245,17 @@ class HeadsRecipe(Recipe):
         cfg, final_dir = self.config, self.out / "final"
         k = cfg.heads.num_heads
         chain = extra["chain"]
-        record = held_out_record(chain, len(self.prompts)) | {"plans": extra["plans"]}
-        args = (result.model, cfg, self.tokenizer, final_dir, result.step, result.best_step, initial, final,
-                len(self.prompts))
-        export_final(*args, calibrated=extra.get("calibrated"), record=record)
-        verifier = str(final_dir / "target") if cfg.lora.enabled else cfg.target
-        served = served_row(final_dir, "medusa", verifier, self.prompts, dtype=cfg.export_dtype,
-                            num_draft_tokens=k, max_new_tokens=cfg.eval.max_new_tokens,
-                            eos_token_ids=set(self.eos_ids))
-        if served:  # vLLM is installed. It serves the heads as one top-1 chain, not as our tree: the card
-            # shows that chain as drafttrain decodes it beside vLLM's figure, the setting a user deploys.
-            export_final(*args, calibrated=extra.get("calibrated"), record=record,
-                         served=[table_row(f"trained, chain of {k} (what vLLM serves)", chain), served])
+        record = self.card_record(chain, extra["plans"])
+
+        def write(served: list[dict]) -> None:
+            export_final(result.model, cfg, self.tokenizer, final_dir, result.step, result.best_step, initial, final,
+                         len(self.prompts), calibrated=extra.get("calibrated"), record=record, served=served)
+
+        # vLLM serves the heads as one top-1 chain, not as our tree: the card shows that chain as
+        # drafttrain decodes it beside vLLM's figure, the setting a user deploys.
+        verifier = str(final_dir / "target") if cfg.lora.enabled else None
+        self.export_with_served_row(write, "medusa", k, verifier=verifier,
+                                    beside=(table_row(f"trained, chain of {k} (what vLLM serves)", chain),))
 
     def calibrate_tree(self, module: nn.Module) -> dict:
         """The trained heads' top-k accuracy on the held-out prompts, the tree it implies, and that

@@ -20,10 +20,10 @@ import torch
 
 from ..config import check_settings, flag_name, setting
 from ..decoding import NUM_DRAFT_TOKENS
+from ..decoding.drafters import REGISTRY, DrafterKind
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-from ..parallel import check_parallel_config, parallel_info, parallel_layout
-from ..preflight import first_vocab_difference
+from ..parallel import parallel_info, parallel_layout
 from ..prompts import encode_prompt, read_prompts
 from .config import DTYPE_CHOICES
 
@@ -161,6 +161,17 @@ def tau(num_tokens: int, accepted_lengths: list[int]) -> float:
 # ----------------------------------------------------------------------------- the command
 
 
+def replayed_kinds() -> dict[str, DrafterKind]:
+    """The kinds `replay` scores, by their `--draft` prefix ("" for the default kind: NAME=DIR)."""
+    return {("" if kind.replay_default else kind.flag): kind for kind in REGISTRY if kind.replay and kind.flag}
+
+
+def replay_spellings() -> str:
+    """NAME=DIR or NAME=FLAG:DIR, one per replayed kind, each with the eval flag that reads that export."""
+    return " or ".join(f"NAME={prefix + ':' if prefix else ''}DIR (--{kind.flag})"
+                       for prefix, kind in replayed_kinds().items())
+
+
 @dataclass(kw_only=True)
 class ReplayConfig:
     """Greedy acceptance of drafts replayed over a report's target outputs."""
@@ -169,8 +180,8 @@ class ReplayConfig:
     prompts: list[str] = setting(doc="The prompt file(s) the report ran (SPEC §1); repeat for several.",
                                  metavar="FILE")
     outputs: str = setting(doc="A greedy report's outputs.jsonl (REPORT/outputs.jsonl).", metavar="FILE")
-    draft: list[str] = setting(doc="A draft to replay: NAME=DIR (a draft LM) or NAME=eagle3:DIR (an EAGLE-3 draft, "
-                               "which also loads the target); repeat for several.", metavar="NAME=DIR")
+    draft: list[str] = setting(doc=f"An export to replay, as eval reads it: {replay_spellings()}; repeat for several.",
+                               metavar="NAME=DIR")
     num_draft_tokens: int = setting(NUM_DRAFT_TOKENS, "K: draft tokens per verification step.", metavar="K",
                                     at_least=1)
     max_new_tokens: int | None = setting(None, "The report's --max-new-tokens (unset: read from the report.json "
@@ -271,17 +282,18 @@ def _read_output_line(result: ReportOutputs, line: str, where: str) -> None:
         result.digests[pid] = row["prompt_sha256"]
 
 
-def parse_draft(arg: str) -> tuple[str, str, str]:
-    """NAME=DIR or NAME=eagle3:DIR -> (name, kind "lm" or "eagle3", directory)."""
+def parse_draft(arg: str) -> tuple[str, DrafterKind, str]:
+    """NAME=DIR or NAME=FLAG:DIR -> (name, its drafter kind, directory)."""
     name, sep, path = arg.partition("=")
-    kind = "eagle3" if path.startswith("eagle3:") else "lm"
-    path = path.removeprefix("eagle3:")
+    kinds = replayed_kinds()
+    prefix = next((p for p in kinds if p and path.startswith(p + ":")), "")
+    path = path.removeprefix(prefix + ":") if prefix else path
     if not sep or not name or not path:
-        raise UserError(f"--draft {arg!r}: write NAME=DIR or NAME=eagle3:DIR")
-    return name, kind, path
+        raise UserError(f"--draft {arg!r}: write {replay_spellings()}")
+    return name, kinds[prefix], path
 
 
-def parse_drafts(specs: list[str]) -> list[tuple[str, str, str]]:
+def parse_drafts(specs: list[str]) -> list[tuple[str, DrafterKind, str]]:
     """Every --draft, names unique: results are printed by name, so two alike could not be told apart."""
     drafts = [parse_draft(d) for d in specs]
     names = [name for name, _, _ in drafts]
@@ -374,25 +386,12 @@ def require_known_tokens(outputs: ReportOutputs, model, what: str) -> None:
                         f"vocabulary of {rows} tokens; pass outputs of a report on this target")
 
 
-def load_replay_draft(cfg: ReplayConfig, name: str, kind: str, path: str, tokenizer, dtype, device, target):
-    """(draft, target or None): the draft LM, or an EAGLE-3 draft beside the target it reads."""
-    what = f"{'EAGLE-3 ' if kind == 'eagle3' else ''}draft {name!r}"
-    if kind == "eagle3":
-        from ..eagle3.export import load_eagle3
-        from ..decoding.drafters.kind import require_finite
-
-        target = target or load_causal_lm(cfg.target, dtype, device, "target")
-        draft, _ = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)
-        require_finite(draft, what, path)
-        draft.attach_embeddings(target.get_input_embeddings()).eval()
-        return draft, target
-    difference = first_vocab_difference(tokenizer.get_vocab(), load_tokenizer(path, what).get_vocab())
-    if difference:
-        raise UserError(f"{what} and the target disagree on token ids ({difference}); use a draft trained "
-                        "with the target's tokenizer")
-    draft = load_causal_lm(path, dtype, device, what)
-    check_parallel_config(draft, path)
-    return draft, None
+def load_replay_draft(name: str, kind: DrafterKind, path: str, target, tokenizer, dtype, device):
+    """The drafter (`Drafter`) loaded by its kind, checked against the target: one error line naming it."""
+    try:
+        return kind.load(path, target, tokenizer, device, dtype)
+    except UserError as e:
+        raise UserError(f"--draft {name!r}: {e}") from e
 
 
 def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
@@ -407,22 +406,24 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
     dtype = resolve_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(cfg.target, "target")
     prompts = matched_prompts(cfg, outputs, tokenizer)
+    target = load_causal_lm(cfg.target, dtype, device, "target")  # every drafter is checked against it
+    require_known_tokens(outputs, target, "target")
     results = []
-    target = None  # loaded for the first EAGLE-3 draft: it reads the target's features
     for name, kind, path in drafts:
-        draft, eagle3_target = load_replay_draft(cfg, name, kind, path, tokenizer, dtype, device, target)
-        target = eagle3_target if eagle3_target is not None else target
-        require_known_tokens(outputs, eagle3_target or draft, "target" if eagle3_target is not None else f"draft {name!r}")
+        drafter = load_replay_draft(name, kind, path, target, tokenizer, dtype, device)
+        if hasattr(drafter.model, "get_input_embeddings"):  # a draft LM embeds the outputs itself
+            require_known_tokens(outputs, drafter.model, f"draft {name!r}")
+        features = target if kind.replay == "features" else None  # it drafts from the target's hidden states
         result = ReplayResult(name, cfg.num_draft_tokens, max_new)
         with tqdm(prompts, desc=name, unit="prompt", disable=not progress) as bar:
             for ids, out in bar:
-                acc, prop = teacher_forced_steps(draft, ids, out, num_draft_tokens=cfg.num_draft_tokens,
-                                                 max_new_tokens=max_new, target=eagle3_target)
+                acc, prop = teacher_forced_steps(drafter.model, ids, out, num_draft_tokens=cfg.num_draft_tokens,
+                                                 max_new_tokens=max_new, target=features)
                 result.tokens.append(len(out))
                 result.accepted.append(acc)
                 result.proposed.append(prop)
         results.append(result)
-        del draft
+        del drafter
     return results
 
 

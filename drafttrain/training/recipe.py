@@ -51,7 +51,7 @@ from ..tokens import eos_token_ids, pad_token_id
 from .config import OptimConfig, TrainConfig
 from .distributed import answer_ranks, build_accelerator, close_process_group, is_sharded, zero3_init_disabled
 from .frozen import local_fraction, shard_frozen
-from .acceptance import eval_prompts
+from .acceptance import eval_prompts, served_row
 from .run_dir import RunDirectory
 from .sampler import check_enough_examples
 from .trainer import TrainResult, train
@@ -209,6 +209,37 @@ class Recipe:
 
     def summary_fields(self) -> dict:
         return {}
+
+    # ------------------------------------------------------------------------- what export() shares
+
+    def card_record(self, chain: dict, plans: dict) -> dict:
+        """final/'s record: the chosen weights' held-out chain acceptance and the plans it implies."""
+        from ..export import held_out_record
+
+        return held_out_record(chain, len(self.prompts)) | {"plans": plans}
+
+    def trained_info(self, result: TrainResult, plans: dict) -> dict:
+        """The model card's lines on the run: steps, which weights were exported, held-out prompts, K planned."""
+        from ..evaluation.plan import planned_k
+
+        chosen = "best held-out tau" if self.config.train.keep_best else "last"
+        return {"training steps": result.step, "exported weights": f"step {result.best_step} ({chosen})",
+                "held-out prompts": len(self.prompts), **planned_k(plans)}
+
+    def export_with_served_row(self, write, kind: str, num_draft_tokens: int, *, verifier: str | None = None,
+                               beside: tuple[dict, ...] = ()) -> None:
+        """Write final/ with `write(rows)` (the rows after the recipe's own): first with none, then,
+        where vLLM is installed, again with the row of the export as vLLM serves it (`kind`: its
+        drafter kind; greedy, a chain of `num_draft_tokens`, on the held-out prompts, against
+        `verifier` or the target), after the rows `beside`, so a user sees the trained and the
+        served acceptance agree before deploying."""
+        cfg = self.config
+        write([])
+        served = served_row(self.out / "final", kind, verifier or cfg.target, self.prompts, dtype=cfg.export_dtype,
+                            num_draft_tokens=num_draft_tokens, max_new_tokens=cfg.eval.max_new_tokens,
+                            eos_token_ids=set(self.eos_ids))
+        if served:
+            write([*beside, served])
 
     # ------------------------------------------------------------------------- the run
 

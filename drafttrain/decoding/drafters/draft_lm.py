@@ -141,4 +141,5 @@ KIND = DrafterKind(
     load=load_draft_lm, bind=bind_draft_lm, takes_lookup=True, step_seconds=draft_lm_seconds,
     draft_forwards=lambda d, max_k, acceptance: [(k, 1) for k in range(1, max_k + 1)], cost_ratio=draft_lm_cost,
     gpu_costs=lambda d, target, max_k: per_token(parameter_share(d.model, target), max_k),
-    vllm=served_path, vllm_forwards=lambda k, d: k, sglang="STANDALONE")
+    vllm=served_path, vllm_forwards=lambda k, d: k, sglang="STANDALONE", replay="tokens",
+    replay_default=True)

@@ -399,7 +399,7 @@ KIND = DrafterKind(
     cost_ratio=lambda d, target_lm, ids, k: eagle3_step_seconds(d.model, target_lm, ids) / single_token_seconds(target_lm, ids),
     gpu_costs=lambda d, target, max_k: per_token(parameter_share(d.model, target, skip="embed"), max_k),
     sglang="EAGLE3", report=_report, vllm=lambda path, k, d, s: {"method": "eagle3", "model": path, "num_speculative_tokens": k},
-    vllm_forwards=lambda k, d: k)
+    vllm_forwards=lambda k, d: k, replay="features")
 
 __all__ = ["KIND", "eagle3_decoder", "Eagle3Proposer", "Eagle3DraftCache", "Eagle3TreeDrafter", "cached_draft_for",
            "eagle3_step_seconds"]

@@ -4,7 +4,8 @@ the kind: a new kind is its file plus one line in `drafters.REGISTRY`.
 
 Every field but `name` and `build` is optional: a kind without a flag is not offered on the
 command line (the oracle), one without `tree` drafts a chain, one without `lookup` cannot be
-hung from a model drafter's tree (`+ngram`), one without `vllm` cannot be served.
+hung from a model drafter's tree (`+ngram`), one without `vllm` cannot be served, one without
+`replay` is not offered by `drafttrain replay`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class DrafterKind:
     vllm: Callable | None = None                # (path, k, d, s) -> vLLM's speculative_config
     vllm_forwards: Callable | None = None       # (k, d) -> the drafter's forwards per served step
     sglang: str | None = None                   # SGLang's --speculative-algorithm for its export, if it serves it
+    replay: str | None = None                   # how `replay` scores its export's greedy acceptance from one
+                                                # forward: "tokens" (its own, a draft LM) or "features" (the
+                                                # target's hidden states); None: not replayed
+    replay_default: bool = False                # `replay --draft NAME=DIR` (no FLAG: prefix) loads this kind
     served_note: str = ""                       # why vLLM's acceptance may differ from ours (no export involved)
 
     def tree_choice(self, drafter: Drafter, s) -> tuple[str, list | str] | None:
