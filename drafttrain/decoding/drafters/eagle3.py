@@ -173,10 +173,6 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         self._ranked = None  # the last draft's candidates, for `candidates`
         self._root_only = tree_from_parents([-1], self.device)  # built once: no copy in a step
 
-    @property
-    def kind(self) -> str:
-        return "static" if self.buffers is not None else f"dynamic ({self.max_nodes} nodes, top-{self.topk})"
-
     def commit(self, nodes, accepted, bonus, hidden=None):
         self.state.commit(self.committed, hidden, list(accepted) + [bonus])
         self.committed = self.state.length

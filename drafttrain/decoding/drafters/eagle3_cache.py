@@ -170,7 +170,8 @@ class CachedEagle3Draft:
         if not self._padded() or n > self.feed_width:
             out = self.draft.prefill(self.cache, features.view(1, n, -1), device_tensor(next_tokens, self.device).view(1, n),
                                      torch.arange(start, start + n, device=self.device).view(1, n))
-            self.meta = device_tensor([0] * self.feed_width + [0, self.cache.length], self.device)
+            if self._padded():  # the prompt's feed: the compiled steps after it read where it ended
+                self.meta = device_tensor([0] * self.feed_width + [0, self.cache.length], self.device)
             return DraftStep(out.logits[:, -1:], out.hidden[:, -1:])
         width = self.feed_width
         self.cache.check_room(width)
