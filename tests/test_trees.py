@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from drafttrain.trees import (
     DEFAULT_TREE,
@@ -12,7 +13,9 @@ from drafttrain.trees import (
     check_paths,
     default_tree,
     expected_accepted_length,
+    path_nodes,
     tree_from_accuracies,
+    tree_from_parents,
 )
 
 
@@ -80,3 +83,23 @@ def test_default_and_chain_trees():
     assert 20 <= len(DEFAULT_TREE) + 1 <= 30
     assert chain_tree(3) == [(0,), (0, 0), (0, 0, 0)]
     assert chain_tree(0) == []
+
+
+# ----------------------------------------------------------------------------- accepted paths
+
+
+def test_path_nodes_is_the_host_path_padded_to_the_tree_depth():
+    tree = tree_from_parents([-1, 0, 0, 1, 3, 2])
+    for node in range(tree.num_nodes):
+        path = tree.path_to(node)
+        expected = path + [node] * (tree.max_depth + 1 - len(path))
+        assert path_nodes(tree, torch.tensor(node)).tolist() == expected
+
+
+def test_path_nodes_keeps_its_width_when_the_tree_has_fewer_nodes_than_its_depth():
+    """A dynamic tree declares its drafting depth; with as few nodes as that, the path still has
+    max_depth + 1 entries (fixed-size gathers downstream)."""
+    small = tree_from_parents([-1, 0])
+    deep = type(small)(parent=small.parent, depths=small.depths, attention_mask=small.attention_mask, max_depth=3)
+    assert path_nodes(deep, torch.tensor(1)).tolist() == [0, 1, 1, 1]
+    assert path_nodes(deep, torch.tensor(0)).tolist() == [0, 0, 0, 0]

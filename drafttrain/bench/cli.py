@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from ..config import add_flags, from_args
+from ..config import add_command
 from .config import BenchConfig
 from .run import run_bench
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("bench", help="measure the decode engine against the memory-bandwidth roofline")
-    add_flags(p, BenchConfig)
-    p.set_defaults(func=run_cli)
+    add_command(sub, "bench", BenchConfig, run_cli,
+                help="measure the decode engine against the memory-bandwidth roofline")
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    cfg = from_args(BenchConfig, args)
+def run_cli(cfg: BenchConfig) -> int:
     log = (lambda *a: None) if cfg.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     b = run_bench(cfg, log=log)
     best = max((r["tokens_per_s"]["median"], n) for n, r in b["plain_decoding"].items() if "tokens_per_s" in r)

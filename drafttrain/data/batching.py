@@ -1,6 +1,15 @@
 """The target's answers to a batch of prompts on drafttrain's own engines, and the batch size that
 writes them fastest on this device (measured, since it depends on the model, the device and the
-prompts: 2 CPU cores saturate at a few rows, a GPU only at hundreds)."""
+prompts: 2 CPU cores saturate at a few rows, a GPU only at hundreds).
+
+How it is measured (issue 29): a batch of b is timed writing the run's own first chunk at that size
+- the b longest prompts, whole answers - so the probe pads, attends and waits for its longest
+answer as the real chunks do, and the chunk of the size chosen is kept as the run's first chunk
+(written once). Probes of other, mid-length prompts overrated wide batches: SmolLM2 on 2 CPU cores
+probed 248 tokens/s at 128 rows of the shortest prompts, and 128-row chunks then wrote 156 where 32
+rows wrote 185 (docs/benchmarks.md, session 10 and issue 29). Of sizes within TOLERANCE of the best, the
+smallest is chosen: a wider batch pads more and waits longer for its longest answer on the chunks
+not probed, and splits into fewer chunks to share between ranks."""
 
 from __future__ import annotations
 
@@ -18,16 +27,18 @@ FIRST_PROBE = 8     # smaller batches never won (SmolLM2, 2 CPU cores: 1: 24, 4:
 MAX_BATCH = 512     # past this, a GPU gains little on drafters' targets, and the chunks get too few to share
 LOCKSTEP_BATCH = 16  # a sharded target's batch: its ranks cannot measure one alone
 GAIN = 1.1          # a doubling that gains less than this has found the plateau: probing stops
+TOLERANCE = 0.05    # the smallest batch within 5% of the best tokens/s is chosen (a tie within noise)
+WARMUP_TOKENS = 2   # the first forwards pay one-time costs (kernels chosen, memory mapped): not timed
 
 
 def choose_batch_size(measure: Callable[[int], float], limit: int) -> tuple[int, dict[int, float]]:
-    """The batch size of the best tokens/s among FIRST_PROBE, twice that, .. `limit` (`measure(b)`:
+    """The batch size for `measure`'s tokens/s among FIRST_PROBE, twice that, .. `limit` (`measure(b)`:
     tokens/s of a batch of b; it raises torch.OutOfMemoryError or MemoryError where b does not
     fit). Doubling stops at the first batch that does not fit or gains less than GAIN over the best
-    so far. Returns (batch size, {b: tokens/s measured})."""
+    so far; the smallest size within TOLERANCE of the best rate is chosen. Returns (batch size,
+    {b: tokens/s measured})."""
     rates: dict[int, float] = {}
     b = min(FIRST_PROBE, limit)
-    measure(b)  # the first run pays one-time costs (kernels chosen, memory mapped): not counted
     while True:
         try:
             rates[b] = measure(b)
@@ -39,7 +50,10 @@ def choose_batch_size(measure: Callable[[int], float], limit: int) -> tuple[int,
         if b >= limit or rates[b] < best * GAIN:
             break
         b = min(2 * b, limit)
-    return max(rates, key=lambda c: (rates[c], -c)) if rates else 1, rates
+    if not rates:
+        return 1, rates
+    best = max(rates.values())
+    return min(c for c in rates if rates[c] >= best * (1 - TOLERANCE)), rates
 
 
 def batch_limit(prompts: int, workers: int) -> int:
@@ -67,6 +81,8 @@ class EngineWriter:
         self.max_length = max(map(len, prompts)) + cfg.max_response_tokens
         self.batch_size = 1  # set to the plan's chunk size before the first write
         self.static = None  # the static engine's generator, built at that size
+        self.probed: dict[int, tuple[list[int], dict]] = {}  # the first chunk at each size measured
+        self.kept: tuple[list[int], dict] | None = None  # the chosen size's: written once, by the probe
 
     def chunk_size(self, ranks) -> tuple[int, str]:
         """(batch size, how it was chosen): data.generation_batch_size, else measured (by the main
@@ -75,21 +91,35 @@ class EngineWriter:
             return self.cfg.generation_batch_size, "data.generation_batch_size"
         if ranks.lockstep:
             return LOCKSTEP_BATCH, "fixed: the ranks of a sharded target run every forward together"
+        order = longest_first(self.prompts)
+        self.write(order[:FIRST_PROBE], max_new_tokens=WARMUP_TOKENS,
+                   static=self._generator(min(FIRST_PROBE, len(order)), compile=False)
+                   if self.engine == "static" else None)
         size, rates = choose_batch_size(self.measure, batch_limit(len(self.prompts), ranks.workers))
-        return size, "measured, tokens/s by batch: " + ", ".join(f"{b}: {r:.0f}" for b, r in rates.items())
+        self.kept = self.probed.get(size) if ranks.share == 0 else None  # chunk 0 falls to share 0
+        self.probed = {}
+        kept = ""
+        if self.kept:
+            tokens = sum(len(r) for r in self.kept[1]["response_ids"])
+            kept = f"; chunk 0 ({tokens} tokens at {rates[size]:.0f} tokens/s) written by its probe, kept"
+        return size, ("measured on the first chunk at each size, tokens/s by batch: "
+                      + ", ".join(f"{b}: {r:.0f}" for b, r in rates.items())
+                      + f" -> the smallest within {TOLERANCE:.0%} of the best" + kept)
 
     def measure(self, b: int) -> float:
-        """tokens/s of whole answers to b mid-length prompts (uncompiled). Whole, not a few tokens:
-        a batch runs until its longest answer ends, so a short probe, where every row still runs,
-        overrates big batches (SmolLM2 on 2 CPU cores: 32 tokens probed 290 tokens/s at 128 rows,
-        which then wrote 158 where 32 rows wrote 191; docs/benchmarks.md, session 10)."""
-        order = longest_first(self.prompts)
-        middle = len(order) // 2
-        indices = [order[(middle + j) % len(order)] for j in range(b)]
+        """tokens/s of whole answers to the run's first chunk at size b: the b longest prompts
+        (uncompiled). Whole, not a few tokens: a batch runs until its longest answer ends, so a
+        short probe, where every row still runs, overrates big batches; and the first chunk, not
+        mid-length prompts: the real chunks pad to their longest prompt (see the module's doc). On
+        the eager engine the chunk is the one `write` would compute, kept for the size chosen."""
+        indices = longest_first(self.prompts)[:b]
         static = self._generator(b, compile=False) if self.engine == "static" else None
         start = time.perf_counter()
         chunk = self.write(indices, static=static)
-        return sum(len(r) for r in chunk["response_ids"]) / max(time.perf_counter() - start, 1e-9)
+        seconds = max(time.perf_counter() - start, 1e-9)
+        if static is None:  # the static engine's chunks come from a compiled generator: not the same bits
+            self.probed[b] = (indices, chunk)
+        return sum(len(r) for r in chunk["response_ids"]) / seconds
 
     def _generator(self, batch_size: int, compile: bool | None = None):
         from ..decoding.batch import BatchGenerator
@@ -98,6 +128,9 @@ class EngineWriter:
 
     @torch.inference_mode()
     def write(self, indices: list[int], *, max_new_tokens: int | None = None, static=None) -> dict:
+        if self.kept is not None and self.kept[0] == list(indices) and max_new_tokens is None:
+            chunk, self.kept = self.kept[1], None  # written while measuring, exactly as here
+            return chunk
         cfg, k = self.cfg, self.cfg.store_topk
         input_ids, attention_mask = left_pad([self.prompts[i] for i in indices], self.pad_id, self.device)
         chunk: dict = {"index": torch.tensor(indices, dtype=torch.long)}
@@ -137,7 +170,7 @@ class EngineWriter:
         return out.sequences[:, width:].tolist(), values.float().cpu(), indices.cpu()
 
     def close(self) -> None:
-        self.static = None
+        self.static, self.kept, self.probed = None, None, {}
 
 
 def prompt_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -155,4 +188,4 @@ def prompt_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return out
 
 
-__all__ = ["EngineWriter", "FIRST_PROBE", "GAIN", "MAX_BATCH", "batch_limit", "choose_batch_size", "longest_first", "prompt_topk"]
+__all__ = ["EngineWriter", "FIRST_PROBE", "GAIN", "MAX_BATCH", "TOLERANCE", "batch_limit", "choose_batch_size", "longest_first", "prompt_topk"]

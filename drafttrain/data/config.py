@@ -80,8 +80,9 @@ class DataConfig:
                           "process; needs vLLM installed: pip install 'drafttrain[vllm]' or "
                           "bash scripts/setup_vllm.sh)", choices=GENERATORS)
     generation_batch_size: int | None = setting(
-        None, doc="prompts per batch of the target's answers (and of self-instruct prompts); null: the batch "
-                  "that writes answers fastest, measured on a few sizes before writing", at_least=1)
+        None, doc="prompts per batch of the target's answers (and of self-instruct prompts); null: measured "
+                  "before writing: the first chunk (the longest prompts) written at 8, 16, .. rows and timed, "
+                  "the smallest batch within 5% of the fastest chosen and its chunk kept", at_least=1)
     store_topk: int = setting(
         0, doc="0: store only response tokens; k > 0: also the target's k most likely tokens and "
                "their log-probs (temperature 1) at each response position, for offline distillation", at_least=0)

@@ -83,15 +83,19 @@ class AnswerStats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """Over writing AND choosing: a measured chunk size keeps its probe's first chunk, whose
+        tokens are counted here while its time went into the choice."""
+        total = self.seconds + self.choose_seconds
+        return self.tokens / total if total > 0 else 0.0
 
     def line(self, ranks: int) -> str:
         if self.written is None:
             return f"target answers: {self.prompts} prompts, read from the cache"
-        return (f"target answers: {self.prompts} prompts, {self.tokens} new tokens in {self.seconds:.1f} s "
+        return (f"target answers: {self.prompts} prompts, {self.tokens} new tokens in "
+                f"{self.seconds + self.choose_seconds:.1f} s "
                 f"({self.tokens_per_s:.1f} tokens/s) by {ranks} process(es); chunks written per rank "
                 f"{[len(w) for w in self.written]}, {self.resumed} kept from an interrupted run; chunk of "
-                f"{self.chunk_size} ({self.how}; {self.choose_seconds:.1f} s)")
+                f"{self.chunk_size} ({self.how}; choosing it took {self.choose_seconds:.1f} s of those)")
 
 
 def generate_responses(

@@ -25,7 +25,8 @@ Conventions
 
 Decoding with a KV cache (`decoding.drafters.eagle3_cache`), for an engine whose target cache holds the whole
 sequence but its last ("pending") token: with c tokens in the sequence, the draft cache holds
-step-0 entries for indices 0..c-2 (length c-1).
+step-0 entries for indices 0..c-2 (length c-1). The cache writes its own entries: each step hands
+it the new keys and values (`cache.update`) and attends to what it returns.
 1. `prefill(cache, features, next_tokens, positions)` after the prompt's prefill (features of
    prompt[:-1], next_tokens = prompt[1:]) and after every verification (first `cache.rollback(c-1)`
    to drop the drafted entries, then the features the target just computed for the pending
@@ -319,7 +320,11 @@ class Eagle3Draft(nn.Module):
         """Why this start: linear layers get the usual N(0, 0.02) (HF's initializer_range). The LM
         head starts as the target's LM head rows of the draft vocabulary and `norm` as the
         target's final norm: the draft's output plays the role of the target's last hidden state,
-        so the target's readout of it is the best guess there is. The other norms start at 1.
+        so the target's readout of it is the best guess there is. That norm's profile, not its
+        size: it is divided by its root mean square. A fresh draft's output is not yet that hidden
+        state, and Gemma-3-270M's final norm (RMS 54, up to 301) turns a random one into logits so
+        large that the first loss was 187 where uniform logits give ln(32768) = 10.4, and the
+        scale-free norm leaves the draft no quick way down. The other norms start at 1.
         Not the target's first-layer input norm for `input_layernorm`: in SmolLM2 it is ~0.001,
         which would all but shut the token embedding out of the draft's attention."""
         std = self.config.initializer_range
@@ -334,7 +339,7 @@ class Eagle3Draft(nn.Module):
         base = getattr(target, "model", None)
         scale = norm_scale(getattr(base, "norm", None))
         if scale is not None and scale.shape == self.norm.weight.shape:
-            self.norm.weight.copy_(scale)
+            self.norm.weight.copy_(scale / scale.float().square().mean().sqrt().clamp_min(1e-6))
         self.set_vocab(vocab)
 
     @torch.no_grad()
@@ -468,20 +473,20 @@ class Eagle3Draft(nn.Module):
         B, n = tokens.shape
         x, cos, sin, k, v = self._new_entries(h_in, tokens, positions)
         past = cache.length
-        cache.append(k, v, attention_mask)
-        S, W = cache.length, cache.keys.shape[2]  # W > S: a static cache's unwritten tail, never visible
+        keys, values, valid = cache.update(k, v, attention_mask)  # the cache writes its own entries
+        S, W = cache.length, keys.shape[2]  # W > S: a static cache's unwritten tail, never visible
         new = torch.arange(past, S, device=k.device)[:, None]
         key = torch.arange(W, device=k.device)[None, :]
         if tree_mask is None:
-            visible = ((key <= new) & cache.valid[:, None, :]) | (key == new)
+            visible = ((key <= new) & valid[:, None, :]) | (key == new)
         else:
             m = tree_mask.shape[-1]
             if not n <= m <= S:
                 raise ValueError(f"tree_mask covers {m} entries; it needs the {n} new nodes and at most the {S} cached")
-            prefix = cache.valid[:, None, :S - m].expand(B, n, S - m)
+            prefix = valid[:, None, :S - m].expand(B, n, S - m)
             tail = torch.zeros(B, n, W - S, dtype=torch.bool, device=k.device)
             visible = torch.cat([prefix, tree_mask.to(torch.bool).expand(B, n, m), tail], dim=-1)
-        h = layer.finish(h_in, attend(attn.queries(x, cos, sin), cache.keys, cache.values, visible))
+        h = layer.finish(h_in, attend(attn.queries(x, cos, sin), keys, values, visible))
         return DraftStep(self.compute_logits(h), h)
 
     def step_in_place(self, cache, hidden: torch.Tensor, tokens: torch.Tensor,
@@ -496,13 +501,11 @@ class Eagle3Draft(nn.Module):
         n, m = tokens.shape[1], tree_mask.shape[-1]
         x, cos, sin, k, v = self._new_entries(hidden, tokens, positions)
         slots = tree_start + (m - n) + torch.arange(n, device=tokens.device)
-        cache.keys.index_copy_(2, slots, k.to(cache.keys.dtype))
-        cache.values.index_copy_(2, slots, v.to(cache.values.dtype))
-        cache.valid.index_fill_(1, slots, True)
-        key = torch.arange(cache.keys.shape[2], device=tokens.device)
+        keys, values, valid = cache.update(k, v, slots=slots)  # in place at `slots`; the length unmoved
+        key = torch.arange(keys.shape[2], device=tokens.device)
         rel = key - tree_start
         in_tree = (rel >= 0) & (rel < m)
         tree_part = tree_mask.to(torch.bool)[:, rel.clamp(0, m - 1)] & in_tree  # [n, W]
-        visible = ((key < tree_start) & cache.valid)[:, None, :] | tree_part
-        h = layer.finish(hidden, attend(attn.queries(x, cos, sin), cache.keys, cache.values, visible))
+        visible = ((key < tree_start) & valid)[:, None, :] | tree_part
+        h = layer.finish(hidden, attend(attn.queries(x, cos, sin), keys, values, visible))
         return self.compute_logits(h), h

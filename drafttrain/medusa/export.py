@@ -12,17 +12,23 @@ true` and the one `lm_heads.0.weight`, which vLLM loads as the `lm_head` behind 
 
 `load_medusa` also reads the original Medusa repository's layout (`{i}.{j}.linear.weight|bias`,
 `{i}.{num_layers}.weight`, config `medusa_num_heads` / `medusa_num_layers`).
+
+`export_final` writes a training run's `final/` (recipes/train_heads.py): the heads, their model
+card and, for Medusa-2, the merged adapted target they verify with.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError
-from ..export import read_export_config, save_tensor_dir
+from ..export import read_export_config, render_acceptance_table, save_tensor_dir
+from ..fileio import atomic_dir
+from ..models import DTYPES
 from .model import MedusaConfig, MedusaHeads
 
 WEIGHTS_NAME = "model.safetensors"
@@ -93,6 +99,60 @@ def save_medusa(heads: MedusaHeads, out_dir, extra: dict | None = None, card_not
     drafttrain.json (held-out chain acceptance and plans)."""
     cfg = medusa_config_dict(heads.config, next(heads.parameters()).dtype, extra)
     return save_tensor_dir(out_dir, heads.state_dict(), cfg, _model_card(cfg, card_notes), record)
+
+
+def export_final(module, cfg, tokenizer, final_dir, steps: int, best_step: int, rows: list[dict], num_prompts: int,
+                 *, calibrated: dict | None = None, plans: dict | None = None, record: dict | None = None) -> None:
+    """final/ of a heads run (`cfg`: its HeadsConfig; `module`: the trained objective, `.heads` and,
+    for Medusa-2, `.target` with its LoRA adapters): the heads in vLLM's format (with the
+    calibrated tree, if any); Medusa-2 also target/, the merged adapted target (the verifier).
+    `rows`: the model card's acceptance table; `plans`: its lines on the planned K. Written into
+    one temporary directory and renamed, so heads never point at a half-written verifier."""
+    final_dir = Path(final_dir)
+    heads = copy.deepcopy(module.heads).to(device="cpu", dtype=DTYPES[cfg.export_dtype])
+    verifier = str((final_dir / "target").resolve()) if cfg.lora.enabled else None
+    info = {"kind": cfg.kind, "target": cfg.target, **({"verifier": verifier} if verifier else {})}
+    if calibrated:
+        info |= {"tree": calibrated["tree"], "topk_accuracy": calibrated["topk_accuracy"]}
+    with atomic_dir(final_dir, overwrite=True) as tmp:
+        save_medusa(heads, tmp, extra={"drafttrain": info, "base_model": verifier or cfg.target},
+                    card_notes=card_notes(cfg, steps, best_step, num_prompts, render_acceptance_table(rows), plans),
+                    record=record)
+        if cfg.lora.enabled:
+            merged = copy.deepcopy(module.target).merge_and_unload().to("cpu")
+            merged.save_pretrained(tmp / "target")
+            tokenizer.save_pretrained(tmp / "target")
+            (tmp / "target" / "README.md").write_text(
+                f"# Adapted target (Medusa-2)\n\n`{cfg.target}` with the LoRA adapters (r={cfg.lora.r}, "
+                f"modules {', '.join(cfg.lora.target_modules)}) trained jointly with the Medusa heads in `..`, "
+                "merged into its weights. It is the verifier those heads were trained for: pass this directory "
+                "as --target.\n")
+
+
+def card_notes(cfg, steps: int, best_step: int, num_prompts: int, table: str, plans: dict | None = None) -> str:
+    """The model card's account of a heads run (`cfg`: its HeadsConfig): method, loss, steps, LoRA,
+    and the acceptance `table`."""
+    lines = ["## Training", "",
+             f"- **method**: {cfg.kind} (" + ("LoRA adapters on the target trained jointly with the heads"
+                                              if cfg.lora.enabled else "target frozen, only the heads trained") + ")",
+             f"- **target**: `{cfg.target}`",
+             f"- **heads loss**: {cfg.loss.kind}" + (" (self-distillation from the target's own distribution)"
+                                                      if cfg.loss.kind == "kl" else " (on the target's tokens)")
+             + f", head i weighted {cfg.loss.decay}^i",
+             f"- **LM heads trained**: {'yes' if cfg.heads.train_lm_heads else 'no (residual blocks only)'}"
+             + ("; one LM head shared by all heads" if cfg.heads.share_lm_head else ""),
+             f"- **training steps**: {steps}; exported weights: step {best_step} "
+             + ("(best held-out tau)" if cfg.train.keep_best else "(last)")]
+    lines += [f"- **{key}**: {value}" for key, value in (plans or {}).items()]
+    if cfg.lora.enabled:
+        lines.append(f"- **LoRA**: r={cfg.lora.r}, alpha={cfg.lora.alpha}, modules "
+                     f"{', '.join(cfg.lora.target_modules)}; language-model loss {cfg.lora.lm_loss} x "
+                     f"{cfg.lora.lm_loss_weight}")
+        lines += ["", "**The verifier is the adapted target** in `target/` next to these heads (the LoRA adapters "
+                      "merged), not the original target: use it as the target, e.g. `drafttrain eval --target "
+                      "<this directory>/target --heads <this directory> ...`, or as the model in vLLM."]
+    lines += ["", f"## Acceptance (greedy tree decoding, {num_prompts} held-out prompts)", "", table.rstrip("\n")]
+    return "\n".join(lines)
 
 
 def _config_int(cfg: dict, key: str, path: Path) -> int:

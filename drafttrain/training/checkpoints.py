@@ -21,7 +21,6 @@ optimizer state); `best.json` carries their sha256, checked before they are expo
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..assets import file_sha256
 from ..errors import UserError
 from ..export import writing
 from ..fileio import atomic_dir, atomic_write_json
@@ -51,14 +51,6 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 # ----------------------------------------------------------------------------- manifests
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_manifest(directory: Path) -> None:

@@ -30,9 +30,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 
@@ -74,30 +75,46 @@ class RecipeEvalConfig:
     max_new_tokens: int = setting(64, doc="Tokens generated per prompt during evaluation.", at_least=1)
 
 
+def run_directory(exports: str = "final/") -> Any:
+    """The `output_dir` setting; `exports`: what the recipe exports into the run directory, as its
+    doc lists it (e.g. "initial/ and final/ drafts")."""
+    return setting(doc=f"Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, {exports}, "
+                       "eval/. Started again with the same directory and config, the run resumes; with another "
+                       "config it is refused (--overwrite starts over).")
+
+
+def training_data(note: str = "") -> Any:
+    """The `data` setting; `note`: what the recipe adds to its doc (how it reads the answers)."""
+    return setting(default_factory=DataConfig, doc=f"Prompts and the target's answers to them. {note}")
+
+
+def held_out_eval(section: type[RecipeEvalConfig] = RecipeEvalConfig) -> Any:
+    """The `eval` setting, of `section`: a recipe re-declares `eval` with its RecipeEvalConfig subclass."""
+    return setting(default_factory=section, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+
+
 @dataclass
 class RecipeConfig:
     """The fields and checks every recipe shares; a recipe's config subclasses it, adds its own
-    sections, and may re-declare `eval` with a RecipeEvalConfig subclass."""
+    sections (checked in `validate_own`), and re-declares a shared setting with the helpers above:
+    `output_dir = run_directory(...)` to list its exports, `data = training_data(...)` to add to the
+    data's doc, `eval = held_out_eval(ItsEvalConfig)` for its own evaluation settings."""
 
-    output_dir: str = setting(
-        doc="Run directory: config.yaml, heldout.jsonl, train_log.jsonl, checkpoints/, best/, final/, eval/. "
-            "Started again with the same directory and config, the run resumes; with another config it is "
-            "refused (--overwrite starts over).")
+    output_dir: str = run_directory()
     target: str = setting(doc="The target model: a local directory or hub id. ${VAR}s are expanded "
                                  "(${DRAFTTRAIN_HOME} defaults to ~/.cache/drafttrain).")
     target_dtype: TargetDtype = setting(
         "auto", doc="dtype of the target: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16, "
                     "float64. What trains is float32 (see train.mixed_precision).")
     export_dtype: ExportDtype = setting("float32", doc="dtype of the exported drafter's weights.")
-    data: DataConfig = setting(default_factory=DataConfig, doc="Prompts and the target's answers to them.")
+    data: DataConfig = training_data()
     optim: OptimConfig = setting(default_factory=OptimConfig, doc="Optimizer and learning-rate schedule.")
     train: TrainConfig = setting(default_factory=TrainConfig, doc="Training loop, checkpoints and logging.")
-    eval: RecipeEvalConfig = setting(
-        default_factory=RecipeEvalConfig, doc="Acceptance on held-out prompts: logged, and picks the best weights.")
+    eval: RecipeEvalConfig = held_out_eval()
 
     def validate(self) -> None:
         """Everything that can be checked without loading a model; raises a one-line UserError.
-        Paths are ${VAR}-expanded in place. A subclass calls this first, then checks its own sections."""
+        Paths are ${VAR}-expanded in place. The shared settings first, then the recipe's own (`validate_own`)."""
         if not str(self.output_dir).strip():
             raise UserError("output_dir is empty; set output_dir=runs/NAME")
         self.output_dir = expand_vars(self.output_dir, "output_dir")
@@ -120,19 +137,28 @@ class RecipeConfig:
             raise UserError("evaluation needs held-out prompts; set data.heldout_size > 0 or data.heldout_fraction > 0")
         self.train.validate()
         check_settings(self)  # every section's declared choices and bounds (recipes' own sections too)
+        self.validate_own()
+
+    def validate_own(self) -> None:
+        """A recipe's checks of its own sections, run by `validate` after the shared ones."""
 
 
 # ----------------------------------------------------------------------------- the skeleton
 
 
-class Recipe:
-    """One training run of one drafter kind. Subclasses set the class attributes and implement
-    the hooks; `run()` (setup, train, cleanup) is the same for all. Available to the hooks:
-    `self.config`, `self.accelerator`, `self.device`, `self.out` (the run directory), and once
-    loaded `self.tokenizer`, `self.target` (set them in load_models), `self.eos_ids`, `self.pad_id`,
-    `self.data` (TrainingData: `train` rows, `heldout` records), `self.prompts` (what evaluate decodes)."""
+C = TypeVar("C", bound=RecipeConfig)
 
-    config_class: ClassVar[type[RecipeConfig]] = RecipeConfig
+
+class Recipe(Generic[C]):
+    """One training run of one drafter kind. A subclass names its config class as the parameter
+    (`class HeadsRecipe(Recipe[HeadsConfig])`: its `config_class`, and the type of `self.config`),
+    sets the class attributes and implements the hooks; `run()` (setup, train, cleanup) is the same
+    for all. Available to the hooks: `self.config`, `self.accelerator`, `self.device`, `self.out`
+    (the run directory), and once loaded `self.tokenizer`, `self.target` (set them in load_models),
+    `self.eos_ids`, `self.pad_id`, `self.data` (TrainingData: `train` rows, `heldout` records),
+    `self.prompts` (what evaluate decodes)."""
+
+    config_class: ClassVar[type[RecipeConfig]] = RecipeConfig  # set from Recipe[ConfigClass]
     script: ClassVar[str] = "recipe"              # e.g. "recipes/distill.py": --help, model cards
     drafter_name: ClassVar[str] = "drafter"       # what final/ holds, for the closing line
     run_entries: ClassVar[frozenset[str]] = frozenset()  # what the recipe writes into output_dir beyond the usual
@@ -144,7 +170,13 @@ class Recipe:
     target_sharded: bool = False
     target_fingerprint: str | None = None  # taken before sharding, for the answer cache
 
-    def __init__(self, config: RecipeConfig, *, overwrite: bool = False):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            if typing.get_origin(base) is Recipe:
+                cls.config_class = typing.get_args(base)[0]
+
+    def __init__(self, config: C, *, overwrite: bool = False):
         self.config = config
         self.overwrite = overwrite
         self.run_dir: RunDirectory | None = None
@@ -359,4 +391,4 @@ def _say(line: str) -> None:
 
 
 __all__ = ["ExportDtype", "RECIPE_FLAGS", "Recipe", "RecipeConfig", "RecipeEvalConfig", "TargetDtype", "exit_with",
-           "recipe_main"]
+           "held_out_eval", "recipe_main", "run_directory", "training_data"]

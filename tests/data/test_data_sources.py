@@ -218,7 +218,9 @@ def test_a_base_models_prompt_ends_at_its_first_newline():
     assert extract_prompt([1, 2, 3, 4, 5, 6, 7, 1], eos, tok, 2, stop="\n") == "how do I sort ?"
     assert extract_prompt([1, 2, 3, 0, 6, 4], eos, tok, 2, stop="\n") == "how do I"   # EOS ends it too
     assert extract_prompt([1, 2, 3, 4], eos, tok, 2, stop="\n") is None                 # never ended
-    assert extract_prompt([6, 1, 2], eos, tok, 1, stop="\n") is None                    # empty
+    assert extract_prompt([6, 1, 2, 6, 4], eos, tok, 1, stop="\n") == "how do"         # blank lines first: skipped
+    assert extract_prompt([6, 1, 2], eos, tok, 1, stop="\n") is None                    # then never ended
+    assert extract_prompt([6, 6, 0], eos, tok, 1, stop="\n") is None                    # empty
 
 
 def test_self_instruct_on_a_base_model_writes_plain_questions(chatty_model, base_tokenizer, tmp_path, monkeypatch):

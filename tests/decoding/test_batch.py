@@ -10,7 +10,7 @@ from sampling_reference import V, chi2_pvalue, exact_two_token_distribution
 from tiny import tiny_lm, tiny_tokenizer
 
 from drafttrain.data.generation import cache_key, generate_responses
-from drafttrain.decoding.batch import BatchGenerator, row_race
+from drafttrain.decoding.batch import BatchGenerator, row_uniform, sample_rows
 from drafttrain.tokens import cut_at_eos, left_pad
 from drafttrain.prompts import PromptRecord
 
@@ -103,13 +103,20 @@ def test_a_sampled_row_does_not_depend_on_its_batch(target):
     assert len(set(map(tuple, rows))) > 1
 
 
-def test_the_race_is_a_pure_function_of_seed_step_and_token():
+def test_a_rows_draw_is_a_pure_function_of_its_seed_and_step():
     seeds = torch.tensor([3, 2**62, 0])
-    race = row_race(seeds, 5, 40)
-    assert race.shape == (3, 40) and bool((race > 0).all())
-    assert torch.equal(row_race(seeds[1:2], 5, 40), race[1:2])          # alone, the same draws
-    assert not torch.equal(row_race(seeds, 6, 40), race)                 # another step, other draws
-    assert abs(row_race(torch.arange(4000), 0, 64).mean().item() - 1.0) < 0.01  # Exp(1): mean 1
+    u = row_uniform(seeds, 5)
+    assert u.shape == (3,) and bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(row_uniform(seeds[1:2], 5), u[1:2])              # alone, the same draw
+    assert not torch.equal(row_uniform(seeds, 6), u)                     # another step, other draws
+    many = row_uniform(torch.arange(20000), 0)
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.002  # U(0, 1)
+
+
+def test_a_token_of_probability_zero_is_never_drawn():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(4000, 1)
+    tokens = sample_rows(probs, torch.arange(4000), 0)
+    assert set(tokens.tolist()) == {1, 3}
 
 
 # --- the hook in data/generation --------------------------------------------------------------

@@ -20,6 +20,7 @@ from sampling_reference import chi2_pvalue, exact_two_token_distribution
 
 from drafttrain.decoding.drafters.eagle3 import eagle3_decoder, Eagle3TreeDrafter
 from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
+from drafttrain.decoding.verify import Sampled
 from drafttrain.planning import accepted_within
 from drafttrain.trees import resolve_tree, tree_from_parents
 from tiny import greedy_reference, tiny_causal_lm
@@ -39,8 +40,8 @@ def test_greedy_equals_generate(trained_pair, tree, engine, k):
     target, draft = trained_pair
     decoder = ready(eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=k, tree=TREES[tree],
                                   tree_nodes=12, tree_topk=3), engine)
-    state = (decoder.proposer if tree == "chain" else decoder.drafter).state
-    assert state.engine.engine == ("eager" if engine == "eager" else "static")  # the draft follows the target
+    cached = (decoder.proposer if tree == "chain" else decoder.drafter).cached
+    assert cached.engine == ("eager" if engine == "eager" else "static")  # the draft follows the target
     accepted = 0
     for prompt in PROMPTS:
         for eos in (None, EOS):
@@ -84,6 +85,40 @@ def test_the_static_draft_engine_drafts_what_the_eager_one_does(trained_pair, tr
         accepted[engine] = [decoder.generate(prompt, 24).accepted_lengths for prompt in PROMPTS]
     assert accepted["static"] == accepted["eager"]
     assert len({a for run in accepted["eager"] for a in run}) >= 3  # several lengths: drafts were judged
+
+
+@pytest.mark.parametrize("tree", ["chain", "sampled", "dynamic"])
+def test_draft_forwards_count_every_draft_layer_pass(trained_pair, tree):
+    """draft_forwards (SPEC: the drafter's forward passes, prefill included): the prompt's feed,
+    then per step the feed of the kept positions plus the drafting passes: K - 1 for a greedy
+    chain (drafted K long, one shape, then cut), m - 1 for a sampled chain of m drafts, depth - 1
+    levels for a dynamic tree; none when the step drafts nothing (a one-token budget, or a
+    one-token prompt's first step: no feature yet, and no prompt feed either)."""
+    target, draft = trained_pair
+    k = 3
+    rule = Sampled(1.0, generator=torch.Generator().manual_seed(0)) if tree == "sampled" else None
+    decoder = eagle3_decoder(target, draft, num_draft_tokens=k, tree="dynamic" if tree == "dynamic" else "chain",
+                             tree_nodes=8, tree_topk=2, rule=rule)
+    for prompt in (PROMPTS[0], [7]):
+        gen = decoder.generate(prompt, 13)
+        drafted = [m for m in gen.proposed_lengths if m]
+        per_step = {"chain": [k - 1] * len(drafted), "sampled": [m - 1 for m in drafted],
+                    "dynamic": [k - 1] * len(drafted)}[tree]
+        assert drafted and (len(prompt) > 1 or gen.proposed_lengths[0] == 0)
+        assert gen.draft_forwards == (len(prompt) > 1) + len(gen.proposed_lengths) + sum(per_step)
+
+
+@pytest.mark.parametrize("depth,topk,nodes", [(2, 1, 2), (3, 2, 3), (4, 4, 3), (3, 1, 3)])
+def test_a_dynamic_tree_of_fewer_nodes_than_its_depth_decodes(trained_pair, depth, topk, nodes):
+    """`nodes` nodes reach at most nodes - 1 deep: such a tree (a plan may pick one) is grown that
+    deep only and decodes the target's text (it once verified a path wider than the tree)."""
+    target, draft = trained_pair
+    decoder = eagle3_decoder(target, draft, num_draft_tokens=depth, tree="dynamic", tree_nodes=nodes, tree_topk=topk)
+    assert decoder.num_draft_tokens == nodes - 1 and decoder.num_tree_nodes == nodes
+    for prompt in PROMPTS:
+        gen = decoder.generate(prompt, 12)
+        assert gen.tokens == greedy_reference(target, prompt, 12)
+        assert max(gen.proposed_lengths) == nodes - 1
 
 
 def test_one_token_prompt_drafts_nothing_first(trained_pair):
@@ -137,7 +172,7 @@ def test_dynamic_tree_is_eagle2s_choice(trained_pair, depth, topk, nodes):
     assert paths == set(expected)
     assert all(p[:-1] in paths or len(p) == 1 for p in paths)  # prefix-closed
     # The draft's cache: the committed prefix plus one entry per expanded node (the next commit drops them).
-    assert drafter.state.cache.length == len(sequence) - 1 + topk * (depth - 1)
+    assert drafter.cached.cache.length == len(sequence) - 1 + topk * (depth - 1)
 
 
 def host_dynamic_tree(target, draft, sequence, depth, topk, nodes):
@@ -207,7 +242,7 @@ def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temp
     exact = exact_two_token_distribution(target, prompt, temperature, top_p, V)
     assert sum(p for (x, _), p in exact.items() if x in outside) > 0.05  # the test can see a leak
     g = torch.Generator().manual_seed(1234)
-    decoder = eagle3_decoder(target, draft, num_draft_tokens=3, temperature=temperature, top_p=top_p, generator=g)
+    decoder = eagle3_decoder(target, draft, num_draft_tokens=3, rule=Sampled(temperature, top_p, g))
     n, counts, accepted = 2000, {}, 0
     for _ in range(n):
         gen = decoder.generate(prompt, 3)
@@ -240,7 +275,7 @@ def test_compiled_draft_steps_equal_generate_without_recompiling(trained_pair):
     lm = cached_lm(target, "static", max_length=64, compile=True)
     for tree in ("chain", "dynamic", STATIC_TREE):
         decoder = eagle3_decoder(lm, draft, num_draft_tokens=3, tree=tree, tree_nodes=10, tree_topk=2)
-        engine = (decoder.proposer if tree == "chain" else decoder.drafter).state.engine
+        engine = (decoder.proposer if tree == "chain" else decoder.drafter).cached
         assert engine.compile and engine.cache.capacity >= lm.capacity
         assert decoder.warmup() > 0 and engine.compile_seconds > 0
         accepted = []

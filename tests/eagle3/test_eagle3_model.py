@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from drafttrain.data.collate import TrainingCollator
-from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
+from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache, Eagle3StaticCache
 from drafttrain.eagle3.model import Eagle3Config, Eagle3Draft, check_aux_layer_ids, default_aux_layer_ids
 from drafttrain.errors import UserError
 from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft, tiny_target
@@ -224,9 +224,14 @@ def test_initialisation_reads_the_target():
     from drafttrain.eagle3.vocab import build_draft_vocab
 
     vocab = build_draft_vocab([[1, 5, 5, 9]], VOCAB, 10)
+    with torch.no_grad():
+        target.model.norm.weight.copy_(torch.linspace(1.0, 7.0, target.config.hidden_size))
     draft = Eagle3Draft.from_target(target, vocab, dtype=torch.float64)
     torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight[vocab.target_ids])
-    torch.testing.assert_close(draft.norm.weight, target.model.norm.weight)
+    # The final norm's profile at unit root mean square: a weight proportional to the target's.
+    w = target.model.norm.weight.double()
+    torch.testing.assert_close(draft.norm.weight, w / w.square().mean().sqrt())
+    assert abs(draft.norm.weight.square().mean().item() - 1.0) < 1e-6
     assert torch.equal(draft.midlayer.input_layernorm.weight, torch.ones_like(draft.norm.weight))
     assert draft.config.aux_layer_ids == (2, 3, 4) and draft.config.rope_parameters["rope_type"] == "default"
     # The embedding is the target's and is not part of the draft's parameters or state.
@@ -237,7 +242,7 @@ def test_initialisation_reads_the_target():
 def test_a_gemma3_target_is_read_right():
     """Gemma-3-270M's config (18 layers, head_dim 256 != 640 / 4 heads, rotary per layer type)
     gives the default aux layers and the global layers' rotary; a tiny Gemma-3's final norm,
-    which stores 1 + w as w, starts the draft's Llama-style norm at 1 + w."""
+    which stores 1 + w as w, starts the draft's Llama-style norm at 1 + w (at unit RMS)."""
     from transformers import Gemma3TextConfig
 
     from drafttrain.eagle3.vocab import build_draft_vocab
@@ -250,8 +255,11 @@ def test_a_gemma3_target_is_read_right():
     assert config.aux_layer_ids == (2, 9, 15) and config.head_dim == 256 and config.num_key_value_heads == 1
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
     target = tiny_target(arch="gemma3")
+    with torch.no_grad():
+        target.model.norm.weight.copy_(torch.linspace(20.0, 30.0, target.config.hidden_size))  # Gemma's size
     draft = Eagle3Draft.from_target(target, build_draft_vocab([[1, 5, 5, 9]], VOCAB, 10), dtype=torch.float64)
-    torch.testing.assert_close(draft.norm.weight, 1 + target.model.norm.weight)
+    scale = 1 + target.model.norm.weight.double()
+    torch.testing.assert_close(draft.norm.weight, scale / scale.square().mean().sqrt())
     assert draft.config.rope_parameters == target.config.rope_parameters["full_attention"]
 
 
@@ -285,3 +293,31 @@ def _four_layer_config():
     from tiny import tiny_lm
 
     return tiny_lm(layers=4).config
+
+
+def test_the_static_cache_writes_what_the_growing_one_does(pair):
+    """Both caches own their writes (`update`): the static one appended to (the prompt's feed), then
+    written in place at tensor slots with its length unmoved (a compiled chain step), gives the
+    growing cache's logits, holds the same entries, and a rollback then a feed equals a fresh one."""
+    target, draft = pair
+    tokens = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    ids = torch.tensor([tokens])
+    features = draft.target_features(target_hidden_states(target, ids))
+    grown, static = Eagle3KVCache(), Eagle3StaticCache(draft.config, 12, dtype=features.dtype)
+    with torch.no_grad():
+        out = [draft.prefill(c, features[:, :5], ids[:, 1:6], torch.arange(5)[None]) for c in (grown, static)]
+        torch.testing.assert_close(out[1].logits, out[0].logits, rtol=1e-12, atol=1e-12)
+        assert grown.length == static.length == 5
+        hidden, token, position = out[0].hidden[:, -1:], torch.tensor([[60]]), torch.tensor([[5]])
+        want = draft.step(grown, hidden, token, position)
+        logits, _ = draft.step_in_place(static, hidden, token, position, torch.tensor(5), torch.ones(1, 1, dtype=torch.bool))
+        torch.testing.assert_close(logits, want.logits, rtol=1e-12, atol=1e-12)
+        assert static.length == 5 and bool(static.valid[0, :6].all()) and not bool(static.valid[0, 6:].any())
+        torch.testing.assert_close(static.keys[:, :, :6], grown.keys, rtol=0, atol=0)
+        torch.testing.assert_close(static.values[:, :, :6], grown.values, rtol=0, atol=0)
+        static.rollback(5)  # the drafted entry is stale past the length: the next feed overwrites it
+        after = draft.prefill(static, features[:, 5:8], ids[:, 6:9], torch.arange(5, 8)[None])
+        fresh = draft.prefill(Eagle3KVCache(), features[:, :8], ids[:, 1:9], torch.arange(8)[None])
+    torch.testing.assert_close(after.logits, fresh.logits[:, 5:], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="holds 12 entries"):
+        draft.prefill(static, features[:, :5], ids[:, 1:6], torch.arange(8, 13)[None])

@@ -206,3 +206,47 @@ def randomize_blocks(heads: MedusaHeads, seed: int = 0) -> None:
     with torch.no_grad():
         for p in heads.blocks.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+
+
+def heads_run_config(lora: bool):
+    """The fields of recipes/train_heads.py's HeadsConfig that export_final reads."""
+    from types import SimpleNamespace as NS
+
+    return NS(kind="medusa-2" if lora else "medusa-1", target="tiny-target", export_dtype="bfloat16",
+              lora=NS(enabled=lora, r=4, alpha=8.0, target_modules=["q_proj"], lm_loss="kl", lm_loss_weight=1.0),
+              loss=NS(kind="kl", decay=0.8), heads=NS(train_lm_heads=True, share_lm_head=False),
+              train=NS(keep_best=True))
+
+
+def test_export_final_writes_the_heads_card_tree_and_medusa2_verifier(tmp_path):
+    from types import SimpleNamespace
+
+    from drafttrain.medusa.export import export_final
+
+    class Adapted:  # the LoRA-adapted target: merged on export
+        def merge_and_unload(self):
+            return SimpleNamespace(to=lambda device: SimpleNamespace(
+                save_pretrained=lambda d: (d.mkdir(parents=True, exist_ok=True), (d / "config.json").write_text("{}"))))
+
+    tokenizer = SimpleNamespace(save_pretrained=lambda d: (d / "tokenizer.json").write_text("{}"))
+    heads = random_heads(num_heads=2, num_layers=1)
+    rows = [{"drafter": "trained", "tau": 1.5}, {"drafter": "served", "tau": 1.4}]
+    calibrated = {"tree": [[0], [1], [0, 0]], "topk_accuracy": [[0.5, 0.6], [0.2, 0.3]]}
+    for lora in (False, True):
+        out = tmp_path / f"lora-{lora}"
+        run = heads_run_config(lora)
+        export_final(SimpleNamespace(heads=heads, target=Adapted()), run, tokenizer, out, 10, 8, rows, 5,
+                     calibrated=calibrated, plans={"planned K": "3"}, record={"held_out": {}})
+        assert load_medusa(out).lm_heads[0].weight.dtype == torch.bfloat16
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["drafttrain"]["tree"] == calibrated["tree"] and cfg["drafttrain"]["kind"] == run.kind
+        card = (out / "README.md").read_text()
+        assert "| served |" in card and "- **planned K**: 3" in card and "step 8 (best held-out tau)" in card
+        assert "5 held-out prompts" in card and json.loads((out / "drafttrain.json").read_text()) == {"held_out": {}}
+        verifier = str((out / "target").resolve())
+        assert (cfg["base_model"], cfg["drafttrain"].get("verifier")) == ((verifier, verifier) if lora else
+                                                                          ("tiny-target", None))
+        assert (out / "target").is_dir() == lora and ("verifier is the adapted target" in card) == lora
+        if lora:
+            assert sorted(p.name for p in (out / "target").iterdir()) == ["README.md", "config.json", "tokenizer.json"]
+    assert heads.lm_heads[0].weight.dtype == torch.float32  # the trained heads are copied, not cast

@@ -1,6 +1,6 @@
 """The Gemma-3 demo recipes (recipes/configs/gemma3_*_demo.yaml) end to end on a tiny random
 Gemma-3 shaped like Gemma-3-270M where their choices depend on it: 18 layers in its sliding/global
-pattern, a vocabulary above the 32k EAGLE-3 draft vocabulary, a base tokenizer with `<unusedN>`
+pattern, a vocabulary above the 16k EAGLE-3 draft vocabulary, a base tokenizer with `<unusedN>`
 tokens and no chat template. Only sizes (steps, data, lengths) are overridden; what each config
 chooses for Gemma (the draft's layers, the parallel draft's mask, the heads' shared LM head, the
 EAGLE-3 vocabulary and feature layers) runs as written."""
@@ -75,4 +75,4 @@ def test_heads_demo_on_a_tiny_gemma3_shares_one_lm_head(gemma, tmp_path):
 def test_eagle3_demo_on_a_tiny_gemma3(gemma, tmp_path):
     run(eagle3_recipe, "gemma3_eagle3_demo.yaml", gemma, tmp_path / "run")
     config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
-    assert config["draft_vocab_size"] == 32768 and config["drafttrain"]["aux_layer_ids"] == [2, 9, 15]
+    assert config["draft_vocab_size"] == 16384 and config["drafttrain"]["aux_layer_ids"] == [2, 9, 15]

@@ -7,12 +7,13 @@ p + 1 (`Eagle3Draft.prefill`). Its output at the last cached position predicts t
 `pending`, which is the first draft; the next drafts feed the draft's own output hidden state
 back with the token just drafted (`Eagle3Draft.step`). After a verification the drafted entries
 are dropped (`rollback`) and the target's features of the kept positions are fed instead. The
-draft's cache and steps live on a `CachedEagle3Draft` (`eagle3_cache.py`): eager, or static and
-compiled beside a static target.
+draft, its cache, its steps and its last output live on one `CachedEagle3Draft`
+(`eagle3_cache.py`): eager, or static and compiled beside a static target; the proposer and the
+tree drafter below hold it directly.
 
-- Chain (`Eagle3Proposer`, any temperature): K drafts in a row. q is the draft's distribution
-  over its reduced vocabulary mapped into the target's (tokens outside it have q = 0), and the
-  rejection rule keeps the output exactly the target's.
+- Chain (`Eagle3Proposer`, any acceptance rule): K drafts in a row. Sampling, q is the draft's
+  distribution over its reduced vocabulary mapped into the target's (tokens outside it have
+  q = 0), and the rejection rule (`verify.Sampled`) keeps the output exactly the target's.
 - Tree (`Eagle3TreeDrafter`, greedy): a static tree of top-k choices per depth, as Medusa's
   paths, or EAGLE-2's dynamic tree: expand the `topk` most likely nodes of each depth (by the
   draft's cumulative log-probability), then keep the `nodes - 1` most likely of everything drafted.
@@ -30,131 +31,81 @@ from ..chain import ChainDecoder, Proposer
 from ..engines import StaticLM, as_cached_lm, device_tensor
 from ..timing import single_token_seconds, timed
 from ..tree import TreeDecoder, TreeDrafter
-from ..verify import probabilities, sample
+from ..verify import Greedy, Sampled, probabilities, sample
 from .eagle3_cache import CachedEagle3Draft, as_cached_draft
 from .eagle3_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count
 from .kind import Drafter, DrafterKind, parameter_share, per_token, require_finite
 
 
-class Eagle3DraftCache:
-    """The draft's cache kept in step with the target's (one entry per cached target position), and
-    the draft's last output. `draft`: an Eagle3Draft (eager engine) or a `CachedEagle3Draft`."""
-
-    def __init__(self, draft: Eagle3Draft | CachedEagle3Draft, device):
-        self.engine = as_cached_draft(draft)
-        self.draft = self.engine.draft
-        self.device = torch.device(device)
-        self.cache = self.engine.cache
-        self.last: DraftStep | None = None  # output at the last cached position: predicts the token after pending
-        self.forwards = 0  # draft-layer forwards: feeds of the target's features and drafting steps
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return tuple(self.draft.config.aux_layer_ids)
-
-    @property
-    def length(self) -> int:
-        """Cached positions, the same count as the target's cache (every position but pending's)."""
-        return self.cache.length
-
-    def reset(self, prompt: list[int], hidden: torch.Tensor | None) -> None:
-        self.engine.reset()
-        self.last = None
-        if hidden is not None and len(prompt) > 1:
-            self.feed(hidden, prompt[1:], start=0)
-
-    @torch.inference_mode()
-    def feed(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
-        """Entries for positions start.. from the target's features there and the tokens that follow."""
-        self.last = self.engine.feed(hidden, next_tokens, start)
-        self.forwards += 1
-
-    def commit(self, committed: int, hidden: torch.Tensor, next_tokens: list[int]) -> None:
-        """After a verification: forget the drafted entries, feed the kept positions' features."""
-        self.engine.rollback(committed)
-        self.feed(hidden, next_tokens, start=committed)
-
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             tree_mask: torch.Tensor | None = None) -> DraftStep:
-        self.forwards += 1
-        with torch.inference_mode():
-            return self.engine.step(hidden, tokens, positions, tree_mask=tree_mask)
-
-
-class _OnTheDraftCache:
-    """What the chain proposer and the tree drafter share: the draft's cache, started with the
-    prompt's target features, and the count of its forwards."""
-
-    state: Eagle3DraftCache
-    committed: int
-
-    @property
-    def forwards(self) -> int:
-        return self.state.forwards
-
-    def reset(self, prompt, hidden=None):
-        self.state.reset(prompt, hidden)
-        self.committed = self.state.length
-
-
-class Eagle3Proposer(_OnTheDraftCache, Proposer):
-    """A chain of K drafts; with temperature > 0 each is sampled from the draft's distribution."""
+class Eagle3Proposer(Proposer):
+    """A chain of K drafts: greedy, or (`rule` a `verify.Sampled`) each sampled from the draft's
+    distribution at the rule's temperature and top-p."""
 
     name = "eagle3"
 
-    def __init__(self, draft: Eagle3Draft, device, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None, max_k: int = 1):
-        """`max_k`: the K of the decoder (greedy chains are drafted K long, one shape, and cut)."""
-        self.state = Eagle3DraftCache(draft, device)
+    def __init__(self, draft: Eagle3Draft | CachedEagle3Draft, device, rule: Greedy | Sampled | None = None,
+                 max_k: int = 1):
+        """`draft`: an Eagle3Draft (eager engine) or a `CachedEagle3Draft`; `rule`: the decoder's
+        acceptance rule (None: greedy); `max_k`: the K of the decoder (greedy chains are drafted K
+        long, one shape, and cut)."""
+        self.cached = as_cached_draft(draft)
         self.max_k = max_k
-        self.hidden_layers = self.state.hidden_layers
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.hidden_layers = self.cached.hidden_layers
+        self.rule = rule or Greedy()
         self.device = torch.device(device)
         self.empty = torch.empty(0, dtype=torch.long, device=self.device)
-        self.committed = 0
+
+    @property
+    def forwards(self) -> int:
+        return self.cached.forwards
+
+    def reset(self, prompt, hidden=None):
+        self.cached.reset(prompt, hidden)
 
     def propose(self, k, sequence):
-        last = self.state.last
+        cached = self.cached
+        last = cached.last
         if last is None or k == 0:  # a one-token prompt: no feature to draft from yet
             return self.empty, None
-        if self.temperature == 0:  # K drafts in one go (one compiled step on the static engine), cut to k
-            return self.state.engine.greedy_chain(last, self.max_k)[:k], None
-        draft = self.state.draft
+        if self.rule.greedy:  # K drafts in one go (one compiled step on the static engine), cut to k
+            cached.forwards += self.max_k - 1  # the draft layer ran for every draft after the first
+            return cached.greedy_chain(last, self.max_k)[:k], None
+        rule = self.rule
         logits, hidden = last.logits[:, -1:], last.hidden[:, -1:]
         tokens, dists = [], []
         for j in range(k):
-            target_logits = draft.to_target_logits(logits[0, -1])
-            q = probabilities(target_logits, self.temperature, self.top_p)
-            token = sample(q, self.generator).view(1)
+            target_logits = cached.draft.to_target_logits(logits[0, -1])
+            q = probabilities(target_logits, rule.temperature, rule.top_p)
+            token = sample(q, rule.generator).view(1)
             dists.append(q)
             tokens.append(token)
             if j + 1 < k:  # the draft at position committed + j reads its own last output
-                position = torch.full((1, 1), self.committed + j, dtype=torch.long, device=self.device)
-                out = self.state.step(hidden, token.view(1, 1), position)
+                position = torch.full((1, 1), cached.committed + j, dtype=torch.long, device=self.device)
+                out = cached.step(hidden, token.view(1, 1), position)
                 logits, hidden = out.logits, out.hidden
         return torch.cat(tokens), torch.stack(dists)
 
     def commit(self, n_accepted, emitted, hidden=None):
-        self.state.commit(self.committed, hidden, emitted)
-        self.committed = self.state.length
+        self.cached.commit(hidden, emitted)
 
     def warmup(self) -> float:
-        if self.temperature == 0:
-            return self.state.engine.warmup(chain=self.max_k)
-        return self.state.engine.warmup(levels=[(1, 1)])  # every sampled drafting step is one token
+        if self.rule.greedy:
+            return self.cached.warmup(chain=self.max_k)
+        return self.cached.warmup(levels=[(1, 1)])  # every sampled drafting step is one token
 
 
-class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
+class Eagle3TreeDrafter(TreeDrafter):
     """Greedy tree drafting: `paths` (a static tree, Medusa-style top-k choices per depth) or,
-    with `paths=None`, EAGLE-2's dynamic tree of `nodes` nodes (root included), `depth` deep,
-    expanding the `topk` most likely nodes of each depth, grown on the device (`eagle3_tree`)."""
+    with `paths=None`, EAGLE-2's dynamic tree of `nodes` nodes (root included), `depth` deep (at
+    most nodes - 1), expanding the `topk` most likely nodes of each depth, grown on the device
+    (`eagle3_tree`)."""
 
     name = "eagle3"
 
-    def __init__(self, draft: Eagle3Draft, device, *, paths: list[Path] | None = None, depth: int = 4,
-                 topk: int = DYNAMIC_TREE_TOPK, nodes: int = DYNAMIC_TREE_NODES):
-        self.state = Eagle3DraftCache(draft, device)
-        self.hidden_layers = self.state.hidden_layers
+    def __init__(self, draft: Eagle3Draft | CachedEagle3Draft, device, *, paths: list[Path] | None = None,
+                 depth: int = 4, topk: int = DYNAMIC_TREE_TOPK, nodes: int = DYNAMIC_TREE_NODES):
+        self.cached = as_cached_draft(draft)
+        self.hidden_layers = self.cached.hidden_layers
         self.device = torch.device(device)
         if paths is not None:
             self.buffers = static_tree(check_paths(paths))
@@ -162,20 +113,26 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
             self.max_depth, self.max_nodes, self.topk = self.buffers.max_depth, self.buffers.num_nodes, self.buffers.topk
             self.paths = list(self.buffers.paths)
         else:
-            vocab = self.state.draft.config.draft_vocab_size
+            vocab = self.cached.draft.config.draft_vocab_size
             if depth < 1 or not 1 <= topk <= vocab or nodes < 2:
                 raise ValueError(f"a dynamic tree needs depth >= 1, 1 <= topk <= the draft's vocabulary ({vocab}) "
                                  f"and nodes >= 2, got {depth}, {topk}, {nodes}")
             self.buffers = None
-            self.max_depth, self.topk = depth, topk
-            self.max_nodes = min(nodes, candidate_count(depth, topk))
-        self.committed = 0
+            # `nodes` nodes reach at most nodes - 1 deep: deeper levels would be drafted and never kept
+            self.max_depth, self.topk = min(depth, nodes - 1), topk
+            self.max_nodes = min(nodes, candidate_count(self.max_depth, topk))
         self._ranked = None  # the last draft's candidates, for `candidates`
         self._root_only = tree_from_parents([-1], self.device)  # built once: no copy in a step
 
+    @property
+    def forwards(self) -> int:
+        return self.cached.forwards
+
+    def reset(self, prompt, hidden=None):
+        self.cached.reset(prompt, hidden)
+
     def commit(self, nodes, accepted, bonus, hidden=None):
-        self.state.commit(self.committed, hidden, list(accepted) + [bonus])
-        self.committed = self.state.length
+        self.cached.commit(hidden, list(accepted) + [bonus])
 
     def level_shapes(self) -> list[tuple[int, int]]:
         """(nodes expanded, tree entries so far) of each drafting forward of a static tree's
@@ -191,11 +148,11 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
 
     def warmup(self) -> float:
         if self.buffers is not None:  # a static tree's levels run as draft steps of these shapes
-            return self.state.engine.warmup(levels=self.level_shapes())
-        return self.state.engine.warmup(tree=dict(depth=self.max_depth, topk=self.topk, nodes=self.max_nodes))
+            return self.cached.warmup(levels=self.level_shapes())
+        return self.cached.warmup(tree=dict(depth=self.max_depth, topk=self.topk, nodes=self.max_nodes))
 
     def draft(self, root, depth):
-        last = self.state.last
+        last = self.cached.last
         depth = min(depth, self.max_depth)
         self._ranked = ([], [], [], [])  # nothing drafted, until a tree is
         if last is None or depth == 0:
@@ -207,9 +164,9 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
     def _dynamic(self, root):
         """EAGLE-2's tree, always grown `max_depth` deep (one shape, one graph): a step that may go
         less deep is cut by the verdict (`greedy_tree_verdict(depth=...)`)."""
-        grown = self.state.engine.dynamic_tree(self.state.last, root, depth=self.max_depth, topk=self.topk,
-                                               nodes=self.max_nodes)
-        self.state.forwards += self.max_depth - 1
+        grown = self.cached.dynamic_tree(self.cached.last, root, depth=self.max_depth, topk=self.topk,
+                                         nodes=self.max_nodes)
+        self.cached.forwards += self.max_depth - 1
         self._ranked = grown
         return grown.tokens, Tree(parent=grown.parent, depths=grown.depths, attention_mask=grown.mask,
                                   max_depth=self.max_depth)
@@ -243,10 +200,10 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
             while a > 0:
                 mask[row, slot[a]] = True
                 a = parents[a]
-        step = self.state.step(
+        step = self.cached.step(
             torch.cat([hidden_of[parents[node]] for node in level], dim=1),
             torch.stack([tokens[node] for node in level]).view(1, n),
-            torch.full((1, n), self.committed + depth_of_level - 1, dtype=torch.long, device=self.device),
+            torch.full((1, n), self.cached.committed + depth_of_level - 1, dtype=torch.long, device=self.device),
             tree_mask=mask.to(self.device))
         for row, node in enumerate(level):
             outputs[node] = DraftStep(step.logits[:, row:row + 1], step.hidden[:, row:row + 1])
@@ -260,8 +217,8 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         ranks = buffers.topk_index.tolist()
         depths = buffers.depths.tolist()
         tokens: list[torch.Tensor] = [root.reshape(())]
-        outputs = {0: self.state.last}
-        hidden_of = {0: self.state.last.hidden[:, -1:]}
+        outputs = {0: self.cached.last}
+        hidden_of = {0: self.cached.last.hidden[:, -1:]}
         expanded: list[int] = []
         topk_of: dict[int, torch.Tensor] = {}
         for d in range(1, depth + 1):
@@ -269,7 +226,7 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
             for node in level:
                 parent = parents[node]
                 if parent not in topk_of:
-                    logits = self.state.draft.to_target_logits(outputs[parent].logits[0, -1])
+                    logits = self.cached.draft.to_target_logits(outputs[parent].logits[0, -1])
                     topk_of[parent] = logits.topk(self.topk).indices
                 tokens.append(topk_of[parent][ranks[node]])
             has_children = {parents[n] for n in keep if depths[n] == d + 1}
@@ -283,28 +240,28 @@ class Eagle3TreeDrafter(_OnTheDraftCache, TreeDrafter):
         return torch.stack(tokens), tree
 
 
-def eagle3_decoder(target, draft: Eagle3Draft, *, num_draft_tokens: int, tree: str | list[Path] = "chain",
-                  tree_nodes: int = DYNAMIC_TREE_NODES, tree_topk: int = DYNAMIC_TREE_TOPK, temperature: float = 0.0,
-                  top_p: float = 1.0,
-                  eos_token_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
-                  record_margins: bool = False):
+def eagle3_decoder(target, draft: Eagle3Draft | CachedEagle3Draft, *, num_draft_tokens: int,
+                   tree: str | list[Path] = "chain", tree_nodes: int = DYNAMIC_TREE_NODES,
+                   tree_topk: int = DYNAMIC_TREE_TOPK, rule: Greedy | Sampled | None = None,
+                   eos_token_ids: set[int] = frozenset(), record_margins: bool = False):
     """The decoder for an EAGLE-3 draft. `tree`: "chain" (K drafts in a row; the only choice when
     sampling), "dynamic" (EAGLE-2, `tree_nodes` nodes, K deep, expanding `tree_topk` nodes per
-    depth), or a static tree as Medusa paths. `target`: a cached LM or an HF model."""
+    depth), or a static tree as Medusa paths. `rule`: the acceptance rule (`verify.Greedy`, the
+    default, or `verify.Sampled`: a sampled chain). `target`: a cached LM or an HF model."""
     lm = as_cached_lm(target)
+    rule = rule or Greedy()
     if isinstance(lm, StaticLM) and not isinstance(draft, CachedEagle3Draft):
         draft = cached_draft_for(lm, draft, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
                                  tree_topk=tree_topk)
-    if temperature > 0 or tree == "chain":
-        proposer = Eagle3Proposer(draft, lm.device, temperature, top_p, generator, max_k=num_draft_tokens)
-        return ChainDecoder(lm, proposer, num_draft_tokens=num_draft_tokens, temperature=temperature,
-                                  top_p=top_p, eos_token_ids=eos_token_ids, generator=generator,
-                                  record_margins=record_margins)
+    if not rule.greedy or tree == "chain":
+        proposer = Eagle3Proposer(draft, lm.device, rule, max_k=num_draft_tokens)
+        return ChainDecoder(lm, proposer, num_draft_tokens=num_draft_tokens, rule=rule, eos_token_ids=eos_token_ids,
+                            record_margins=record_margins)
     if tree == "dynamic":
         drafter = Eagle3TreeDrafter(draft, lm.device, depth=num_draft_tokens, topk=tree_topk, nodes=tree_nodes)
     else:
         drafter = Eagle3TreeDrafter(draft, lm.device, paths=[p for p in tree if len(p) <= num_draft_tokens])
-    return TreeDecoder(lm, drafter, eos_token_ids=eos_token_ids, record_margins=record_margins)
+    return TreeDecoder(lm, drafter, rule=rule, eos_token_ids=eos_token_ids, record_margins=record_margins)
 
 
 def cached_draft_for(target_lm, draft: Eagle3Draft, *, num_draft_tokens: int, tree_nodes: int = 0,
@@ -344,21 +301,19 @@ def eagle3_step_seconds(draft: Eagle3Draft | CachedEagle3Draft, target_lm, promp
     """Median time of one EAGLE-3 chain drafting step (one token through the draft layer and its
     head, on the draft's engine), after feeding the prompt's target features: the draft's share
     of a chain step."""
-    state = Eagle3DraftCache(draft, target_lm.device)
-    draft = state.draft
-    state.engine.warmup([(1, 1)])
+    cached = as_cached_draft(draft)
+    cached.warmup([(1, 1)])
     target_lm.reset()
-    _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device),
-                                  hidden_layers=tuple(draft.config.aux_layer_ids))
-    state.reset(prompt, hidden)
+    _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device), hidden_layers=cached.hidden_layers)
+    cached.reset(prompt, hidden)
     token = device_tensor(prompt[-1:], target_lm.device).view(1, 1)
-    position = torch.full((1, 1), state.length, dtype=torch.long, device=target_lm.device)
+    position = torch.full((1, 1), cached.length, dtype=torch.long, device=target_lm.device)
 
     def step():
-        out = state.step(state.last.hidden[:, -1:], token, position)
-        draft.to_target_logits(out.logits[0, -1]).argmax()
+        out = cached.step(cached.last.hidden[:, -1:], token, position)
+        cached.draft.to_target_logits(out.logits[0, -1]).argmax()
 
-    return timed(step, repeats, target_lm.device, after=lambda: state.cache.rollback(state.length - 1))
+    return timed(step, repeats, target_lm.device, after=lambda: cached.rollback(cached.length - 1))
 
 
 def _bind(drafter: Drafter, target_lm, engine: str, max_length: int, s) -> Drafter:
@@ -383,8 +338,7 @@ def _eagle3(target, drafter, s):
     tree = eagle3_tree(drafter, s)
     return eagle3_decoder(target, drafter.model, num_draft_tokens=s.num_draft_tokens,
                           tree="chain" if tree is None else tree[1], tree_nodes=s.dynamic_nodes, tree_topk=s.tree_topk,
-                          temperature=s.temperature, top_p=s.top_p, eos_token_ids=s.eos_token_ids,
-                          generator=s.generator, record_margins=s.record_margins)
+                          rule=s.rule(), eos_token_ids=s.eos_token_ids, record_margins=s.record_margins)
 
 
 KIND = DrafterKind(
@@ -397,5 +351,5 @@ KIND = DrafterKind(
     sglang="EAGLE3", report=_report, vllm=lambda path, k, d, s: {"method": "eagle3", "model": path, "num_speculative_tokens": k},
     vllm_forwards=lambda k, d: k, replay="features")
 
-__all__ = ["KIND", "eagle3_decoder", "Eagle3Proposer", "Eagle3DraftCache", "Eagle3TreeDrafter", "cached_draft_for",
+__all__ = ["KIND", "CachedEagle3Draft", "eagle3_decoder", "Eagle3Proposer", "Eagle3TreeDrafter", "cached_draft_for",
            "eagle3_step_seconds"]

@@ -1,7 +1,9 @@
 """The EAGLE-3 draft layer's KV caches, and the draft bound to one on an engine (`CachedEagle3Draft`).
 
 The draft's cache mirrors the target's (one entry per cached target position), so it lives on
-the same kind of engine as the target's cached LM:
+the same kind of engine as the target's cached LM. Either cache writes its own entries: the
+draft layer hands it the new keys and values (`update`, as transformers' and gpt-fast's caches)
+and attends to what it returns.
 - eager: `Eagle3KVCache`, grown by concatenation; every step runs as written.
 - static: `Eagle3StaticCache`, preallocated, written in place, every length a tensor
   (`Eagle3Draft.step_in_place`). Three fixed-shape steps, each one `CompiledStep` with `compile`
@@ -9,21 +11,22 @@ the same kind of engine as the target's cached LM:
   a verification (padded to K + 1 entries; the count a tensor) and EAGLE-2's whole dynamic tree
   (`grow_dynamic_tree`: every depth in one graph). The prompt's features are fed uncompiled.
 
-One cached draft per run, shared by every decoder of that run (only one decodes at a time), so
-each shape compiles once; `compile_seconds` is reported apart from decoding time.
+`CachedEagle3Draft` is what the EAGLE-3 proposer and tree drafter hold: the draft, its cache,
+its compiled steps, its output at the last committed entry and its forward count. One cached
+draft per run, shared by every decoder of that run (only one decodes at a time), so each shape
+compiles once; `compile_seconds` is reported apart from decoding time.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 from torch import nn
 
 from ...eagle3.model import DraftStep, Eagle3Config, Eagle3Draft
-from ..engines import device_tensor, synchronize, use_skinny_matmuls
-from ..engines.compiled import WARMUP_RUNS, CompiledStep
+from ..engines import device_tensor, use_skinny_matmuls
+from ..engines.compiled import CompiledStep, timed_warmup
 from .eagle3_tree import DynamicTree, grow_dynamic_tree
 
 
@@ -56,7 +59,10 @@ class Eagle3KVCache:
         self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
         self.valid = self.valid[:, :length]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def update(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append n entries (keys/values [B, kv_heads, n, d], `valid` [B, n] or None: all real);
+        returns the whole cache (keys, values, valid) to attend to."""
         if valid is None:
             valid = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
         if self.keys is None:
@@ -65,6 +71,7 @@ class Eagle3KVCache:
             self.keys = torch.cat([self.keys, keys], dim=2)
             self.values = torch.cat([self.values, values], dim=2)
             self.valid = torch.cat([self.valid, valid.bool()], dim=1)
+        return self.keys, self.values, self.valid
 
 
 class Eagle3StaticCache(nn.Module):
@@ -100,21 +107,37 @@ class Eagle3StaticCache(nn.Module):
             raise ValueError(f"cannot roll back a cache of {self.length} entries to {length}")
         self.length = length
 
-    @torch.no_grad()
-    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def update(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None, *,
+               slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write n entries (keys/values [B, kv_heads, n, d]); returns the whole preallocated cache
+        (keys, values, valid) to attend to, stale tail included (every mask stops before it).
+        `slots` None: appended after `length`, which moves (`valid` [B, n] or None: all real).
+        `slots` [n], a tensor: written there, all valid, `length` unmoved: a compiled step's write,
+        every length a tensor (`Eagle3Draft.step_in_place`; its caller moves `length`)."""
+        if slots is not None:
+            self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
+            self.values.index_copy_(2, slots, values.to(self.values.dtype))
+            self.valid.index_fill_(1, slots, True)
+            return self.keys, self.values, self.valid
         n = keys.shape[2]
         self.check_room(n)
         slots = torch.arange(self.length, self.length + n, device=self.keys.device)
-        self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
-        self.values.index_copy_(2, slots, values.to(self.values.dtype))
-        self.valid[:, slots] = True if valid is None else valid.bool()
+        with torch.no_grad():
+            self.keys.index_copy_(2, slots, keys.to(self.keys.dtype))
+            self.values.index_copy_(2, slots, values.to(self.values.dtype))
+            self.valid[:, slots] = True if valid is None else valid.bool()
         self.length += n
+        return self.keys, self.values, self.valid
 
 
 class CachedEagle3Draft:
     """An EAGLE-3 draft bound to its own KV cache on an engine (eager or static), as a `CachedLM`
-    binds a model to its cache. `feed_width`: the most entries one feed after a verification
-    writes (K + 1), the padded width of the static engine's compiled feed."""
+    binds a model to its cache: the one object the EAGLE-3 proposer and tree drafter hold. It
+    keeps the cache in step with the target's (one entry per cached target position: `reset`
+    with the prompt's features, `commit` after each verification), the draft's output at the last
+    committed entry (`last`: it predicts the token after pending) and its forwards (`forwards`:
+    feeds of the target's features and drafting steps). `feed_width`: the most entries one feed
+    after a verification writes (K + 1), the padded width of the static engine's compiled feed."""
 
     def __init__(self, draft: Eagle3Draft, engine: str = "eager", *, capacity: int | None = None,
                  compile: bool | None = None, feed_width: int = 0):
@@ -136,19 +159,39 @@ class CachedEagle3Draft:
         self.feed_width = feed_width
         self.compile_seconds = 0.0
         self.meta: torch.Tensor | None = None  # static: [feed tokens..., start, count] of the last feed
+        self.last: DraftStep | None = None  # output at the last committed entry: predicts the token after pending
+        self.committed = 0  # entries kept after the last verification (the target's cached positions)
+        self.forwards = 0   # draft-layer forwards: feeds of the target's features and drafting steps
         self._compiled: dict[str, CompiledStep] = {}
         self._one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose features the draft reads."""
+        return tuple(self.draft.config.aux_layer_ids)
 
     @property
     def length(self) -> int:
         return self.cache.length
 
-    def reset(self) -> None:
+    def reset(self, prompt: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+        """An empty cache; with a prompt and its target features (`hidden`, of prompt[:-1]), their
+        entries fed: the same count as the target's cache (every position but pending's)."""
         self.cache.reset()
-        self.meta = None
+        self.meta = self.last = None
+        if hidden is not None and prompt is not None and len(prompt) > 1:
+            self.feed(hidden, prompt[1:], start=0)
+        self.committed = self.length
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
+
+    def commit(self, hidden: torch.Tensor, next_tokens: list[int]) -> None:
+        """After a verification: forget the drafted entries, feed the kept positions' features
+        (`hidden`) and the tokens that follow them (the accepted drafts and the bonus token)."""
+        self.rollback(self.committed)
+        self.feed(hidden, next_tokens, start=self.committed)
+        self.committed = self.length
 
     def _fn(self, name: str, fn):
         """`fn` as this draft runs it: compiled once (static + compile), else as written."""
@@ -161,11 +204,17 @@ class CachedEagle3Draft:
     def _padded(self) -> bool:
         return self.engine == "static" and self.feed_width > 0
 
+    @torch.inference_mode()
     def feed(self, features: torch.Tensor, next_tokens: list[int], start: int) -> DraftStep:
         """Entries for positions start.. from the target's features there ([n, 3H]) and the tokens
-        that follow; returns the draft's output at the last one. On the static engine a feed of
-        at most `feed_width` entries is one fixed-shape step (padding written past the end, never
-        read); the prompt's longer feed runs as written."""
+        that follow; the draft's output at the last one becomes `last`. On the static engine a
+        feed of at most `feed_width` entries is one fixed-shape step (padding written past the end,
+        never read); the prompt's longer feed runs as written."""
+        self.last = self._feed(features, next_tokens, start)
+        self.forwards += 1
+        return self.last
+
+    def _feed(self, features: torch.Tensor, next_tokens: list[int], start: int) -> DraftStep:
         n = len(next_tokens)
         if not self._padded() or n > self.feed_width:
             out = self.draft.prefill(self.cache, features.view(1, n, -1), device_tensor(next_tokens, self.device).view(1, n),
@@ -184,6 +233,12 @@ class CachedEagle3Draft:
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              tree_mask: torch.Tensor | None = None) -> DraftStep:
         """`Eagle3Draft.step` on this engine's cache (tree_mask [n, m], or None for a chain)."""
+        self.forwards += 1
+        with torch.inference_mode():
+            return self._step(hidden, tokens, positions, tree_mask)
+
+    def _step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+              tree_mask: torch.Tensor | None = None) -> DraftStep:
         n = tokens.shape[1]
         if self.engine == "eager" or (tree_mask is None and n != 1):
             return self.draft.step(self.cache, hidden, tokens, positions, tree_mask=tree_mask)
@@ -227,32 +282,29 @@ class CachedEagle3Draft:
 
     @torch.inference_mode()
     def warmup(self, levels=(), tree: dict | None = None, chain: int = 0) -> float:
-        """Compile and capture the steps a decoder will run (three runs each: CUDA graph trees warm
-        up, record, replay): the feed, drafting steps of these (n new, m tree entries) shapes (a
-        chain's is (1, 1)) and the dynamic tree of `tree` (depth, topk, nodes), so no timed step
-        compiles; `chain`: the K of greedy chains. Leaves the cache empty."""
+        """Compile and capture the steps a decoder will run (`timed_warmup`), so no timed step
+        compiles: the feed, drafting steps of these (n new, m tree entries) shapes (a chain's is
+        (1, 1)) and the dynamic tree of `tree` (depth, topk, nodes); `chain`: the K of greedy
+        chains. Counts no forward; leaves the cache empty."""
         if not self.compile:
             return 0.0
-        start = time.perf_counter()
         H, dtype, width = self.draft.config.hidden_size, self.draft.fc.weight.dtype, self.feed_width
         zeros = functools.partial(torch.zeros, device=self.device)
-        for _ in range(WARMUP_RUNS):
+
+        def every_step():
             self.cache.length = 1
-            last = self.feed(zeros(width, 3 * H, dtype=dtype), [0] * width, 1) if width else None
+            last = self._feed(zeros(width, 3 * H, dtype=dtype), [0] * width, 1) if width else None
             for n, m in levels:
                 self.cache.length = 1 + m - n  # a committed entry, then the tree's older nodes
                 mask = None if (n, m) == (1, 1) else torch.ones(n, m, dtype=torch.bool, device=self.device)
-                self.step(zeros(1, n, H, dtype=dtype), zeros(1, n, dtype=torch.long), zeros(1, n, dtype=torch.long), mask)
+                self._step(zeros(1, n, H, dtype=dtype), zeros(1, n, dtype=torch.long), zeros(1, n, dtype=torch.long), mask)
             self.cache.length = 1 + width
             if tree and last is not None:
                 self.dynamic_tree(last, zeros(1, dtype=torch.long), **tree)
             if chain and last is not None:
                 self.greedy_chain(last, chain)
-        self.reset()
-        synchronize(self.device)
-        seconds = time.perf_counter() - start
-        self.compile_seconds += seconds
-        return seconds
+
+        return timed_warmup(self, [every_step])
 
 
 def feed_in_place(draft: Eagle3Draft, cache: Eagle3StaticCache, features: torch.Tensor, meta: torch.Tensor

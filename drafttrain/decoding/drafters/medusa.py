@@ -8,9 +8,10 @@ for that state (`hidden_layers = (L,)`) in the passes they run anyway.
 Greedy (Medusa-1): `MedusaDrafter` fills a static candidate tree with the heads' top-k tokens and
 `TreeDecoder` verifies it in ONE target forward (see `decoding.tree`).
 
-Sampling: `MedusaProposer` drafts a chain of one token per head, d_i ~ q_i = head i's
-distribution, which `ChainDecoder` verifies with the standard rejection rule (lossless;
-q_i ignores the earlier drafts, which the rule allows).
+Sampling (the rule a `verify.Sampled`): `MedusaProposer` drafts a chain of one token per head,
+d_i ~ q_i = head i's distribution at the rule's temperature and top-p, which `ChainDecoder`
+verifies with the standard rejection rule (lossless; q_i ignores the earlier drafts, which the
+rule allows).
 
 Either way every emitted token comes out of a verification forward (prefill covers prompt[:-1]
 and emits nothing): a step emits its accepted drafts plus one target token, so `Generation`'s
@@ -32,7 +33,7 @@ from ..chain import ChainDecoder, Proposer
 from ..engines import as_cached_lm
 from ..timing import timed
 from ..tree import TreeDecoder, TreeDrafter
-from ..verify import probabilities, sample
+from ..verify import Greedy, Sampled, probabilities, sample
 from .kind import Drafter, DrafterKind, parameter_share, per_token, require_finite
 
 
@@ -113,16 +114,16 @@ class MedusaDrafter(TreeDrafter):
 
 
 class MedusaProposer(Proposer):
-    """Sampling: one token per head, drawn from the head's own distribution."""
+    """Sampling: one token per head, drawn from the head's own distribution at the temperature and
+    top-p of `rule` (a `verify.Sampled`: the decoder's rule)."""
 
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, num_layers: int, device, temperature: float, top_p: float,
-                 generator: torch.Generator | None):
+    def __init__(self, heads: MedusaHeads, num_layers: int, device, rule: Sampled):
         self.heads = heads
         self.hidden_layers = (num_layers,)
         self.device = torch.device(device)
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.rule = rule
         self.hidden = None
         self.empty = torch.empty(0, dtype=torch.long, device=self.device)
 
@@ -132,9 +133,9 @@ class MedusaProposer(Proposer):
     def propose(self, k, sequence):
         if self.hidden is None or k == 0:
             return self.empty, None
-        q = probabilities(head_logits(self.heads, self.hidden, k, self.device), self.temperature, self.top_p)
+        q = probabilities(head_logits(self.heads, self.hidden, k, self.device), self.rule.temperature, self.rule.top_p)
         self.forwards += 1
-        return sample(q, self.generator), q
+        return sample(q, self.rule.generator), q
 
     def commit(self, n_accepted, emitted, hidden=None):
         self.hidden = hidden[-1]
@@ -148,14 +149,16 @@ def check_heads(target, heads: MedusaHeads) -> None:
                         f"target has vocab {vocab} x hidden {hidden}; use heads trained on this target")
 
 
-def medusa_decoder(target, heads: MedusaHeads, *, tree: list[Path] | None = None, temperature: float = 0.0,
-                  top_p: float = 1.0, eos_token_ids: set[int] = frozenset(),
-                  generator: torch.Generator | None = None, record_margins: bool = False):
-    """The decoder for Medusa heads: a `TreeDecoder` (greedy) or a `ChainDecoder` (sampling).
+def medusa_decoder(target, heads: MedusaHeads, *, tree: list[Path] | None = None,
+                   rule: Greedy | Sampled | None = None, eos_token_ids: set[int] = frozenset(),
+                   record_margins: bool = False):
+    """The decoder for Medusa heads: a `TreeDecoder` (`rule` greedy, the default) or a
+    `ChainDecoder` (`rule` a `verify.Sampled`).
 
-    `tree`: Medusa paths (default: DEFAULT_TREE cut to the number of heads). With temperature > 0
-    only its depth is used: the heads draft a chain that deep. `target`: a cached LM or an HF model.
+    `tree`: Medusa paths (default: DEFAULT_TREE cut to the number of heads). Sampling, only its
+    depth is used: the heads draft a chain that deep. `target`: a cached LM or an HF model.
     """
+    rule = rule or Greedy()
     lm = as_cached_lm(target)
     check_heads(lm.model, heads)
     num_heads = heads.config.num_heads
@@ -164,16 +167,15 @@ def medusa_decoder(target, heads: MedusaHeads, *, tree: list[Path] | None = None
     if buffers.max_depth > num_heads:
         raise UserError(f"the Medusa tree is {buffers.max_depth} deep but the heads have only "
                         f"{num_heads}; pass a tree of depth <= {num_heads}")
-    if temperature > 0:
-        proposer = MedusaProposer(heads, lm.num_layers, lm.device, temperature, top_p, generator)
-        return ChainDecoder(lm, proposer, num_draft_tokens=buffers.max_depth, temperature=temperature,
-                                  top_p=top_p, eos_token_ids=eos_token_ids, generator=generator,
-                                  record_margins=record_margins)
+    if not rule.greedy:
+        proposer = MedusaProposer(heads, lm.num_layers, lm.device, rule)
+        return ChainDecoder(lm, proposer, num_draft_tokens=buffers.max_depth, rule=rule, eos_token_ids=eos_token_ids,
+                            record_margins=record_margins)
     if buffers.paths != chain_tree(buffers.max_depth) and not lm.supports_trees:
         attn = getattr(lm.model.config, "_attn_implementation", None)
         raise UserError(f"tree decoding needs an attention kernel that accepts custom masks, but the target "
                         f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
-    return TreeDecoder(lm, MedusaDrafter(heads, buffers, lm.num_layers, lm.device, order=paths),
+    return TreeDecoder(lm, MedusaDrafter(heads, buffers, lm.num_layers, lm.device, order=paths), rule=rule,
                        eos_token_ids=eos_token_ids, record_margins=record_margins)
 
 
@@ -242,9 +244,8 @@ def _served(path, k, drafter, s) -> dict:
 
 
 def _medusa(target, drafter, s):
-    return medusa_decoder(target, drafter.model, tree=medusa_tree(drafter, s)[1], temperature=s.temperature,
-                          top_p=s.top_p, eos_token_ids=s.eos_token_ids, generator=s.generator,
-                          record_margins=s.record_margins)
+    return medusa_decoder(target, drafter.model, tree=medusa_tree(drafter, s)[1], rule=s.rule(),
+                          eos_token_ids=s.eos_token_ids, record_margins=s.record_margins)
 
 
 KIND = DrafterKind(

@@ -12,7 +12,8 @@ a CUDA graph reads them in place; the step runs under `no_grad` and outside infe
 whatever the caller's mode (a graph compiled in one mode fails its guards in the other). CUDA graph trees share one memory pool across graphs, so an
 output is only safe to keep past the next compiled call once copied: on CUDA the outputs are
 cloned (small: tokens, a tree, one step's logits); on the CPU they are returned as they are.
-Warming up runs a shape three times: CUDA graph trees warm up, record, then replay.
+Warming up runs a shape three times: CUDA graph trees warm up, record, then replay
+(`timed_warmup`, which every engine's `warmup` calls, times it as compile time).
 
 Compiled artifacts are kept on disk under `$DRAFTTRAIN_HOME/compile/<torch>/<device>` (inductor's
 FX graph and autotuning caches), so a second identical run on this machine skips code
@@ -24,9 +25,12 @@ without generating code: what the CPU tests use to prove shapes are stable.
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable, Iterable
 
 import torch
 
+from .base import synchronize
 from .overhead import paused
 
 WARMUP_RUNS = 3
@@ -124,7 +128,19 @@ class CompiledStep:
             out = self.fn(*staged)
         return _clone(out) if self.cudagraphs else out
 
-    def warm(self, *args) -> None:
-        """Compile and capture this shape, so no timed call compiles."""
-        for _ in range(WARMUP_RUNS):
-            self(*args)
+
+def timed_warmup(engine, steps: Iterable[Callable[[], object]], *, runs: int = WARMUP_RUNS) -> float:
+    """Compile and capture the shapes `steps` run, so no timed step compiles: each step (a call of
+    one or more compiled steps on dummy inputs) runs `runs` times in a row (CUDA graph trees warm
+    up, record, then replay), then `engine.reset()` (the dummy steps went through its cache) and
+    the device is waited for. Returns the seconds spent, also added to `engine.compile_seconds`
+    (reported apart from decoding time)."""
+    start = time.perf_counter()
+    for step in steps:
+        for _ in range(runs):
+            step()
+    engine.reset()
+    synchronize(engine.device)
+    seconds = time.perf_counter() - start
+    engine.compile_seconds += seconds
+    return seconds

@@ -27,7 +27,6 @@ stacked along the query axis ([B, kv_heads, G * n, d]), so SDPA reads each cache
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +35,8 @@ from torch import nn
 from ...errors import UserError
 from ...models import is_sharded_module
 from ...trees import Tree
-from .base import CachedLM, device_tensor, synchronize
-from .compiled import WARMUP_RUNS, CompiledStep
+from .base import CachedLM, device_tensor
+from .compiled import WARMUP_RUNS, CompiledStep, timed_warmup
 from .matmul import use_skinny_matmuls
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -364,28 +363,30 @@ class StaticLM(CachedLM):
 
     @torch.no_grad()
     def warmup(self, sizes, *, hidden_layers: tuple[int, ...] = (), keep_width: int = 0) -> float:
-        """Register `sizes` as step buckets and compile/capture each (three runs: CUDA graph trees
-        warm up, record, then replay). Returns the seconds spent, also added to `compile_seconds`.
-        Runs dummy steps through the cache, so it ends with `reset()`: call it between generations."""
+        """Register `sizes` as step buckets and compile/capture each (`timed_warmup`: three runs,
+        CUDA graph trees warm up, record, then replay). Returns the seconds spent, also added to
+        `compile_seconds`. Runs dummy steps through the cache, so it ends with `reset()`: call it
+        between generations."""
         sizes = sorted({int(s) for s in sizes if 0 < int(s) <= self.capacity})
         hidden_layers = tuple(hidden_layers)
-        start = time.perf_counter()
-        self.length = 0
-        for size in sizes:
+
+        def step(size: int):
             tokens = torch.zeros(1, size, dtype=torch.long, device=self.device)
             positions = torch.arange(size, device=self.device)[None]
-            for _ in range(WARMUP_RUNS if self.compile else 1):
-                self.run(tokens, positions, self.causal(size), hidden_layers=tuple(hidden_layers), compiled=True)
-        if keep_width and self.compile and keep_width <= self.capacity:
+            return functools.partial(self.run, tokens, positions, self.causal(size), hidden_layers=hidden_layers,
+                                     compiled=True)
+
+        steps = [step(size) for size in sizes]
+        move = bool(keep_width) and self.compile and keep_width <= self.capacity
+        if move:
             if self._move is None or keep_width != self.keep_width:
                 self._move = CompiledStep(functools.partial(move_entries, self.cache), self.device)
             src = torch.arange(keep_width, device=self.device)
             # two tensors, as compact() passes: the same one twice compiles an aliasing guard
-            self._move.warm(src, src.clone())
+            steps.append(functools.partial(self._move, src, src.clone()))
+        self.length = 0
+        seconds = timed_warmup(self, steps, runs=WARMUP_RUNS if self.compile else 1)
+        if move:
             self.keep_width = keep_width
         self.sizes[hidden_layers] = sorted(set(self.sizes.get(hidden_layers, ())) | set(sizes))
-        self.reset()
-        synchronize(self.device)
-        seconds = time.perf_counter() - start
-        self.compile_seconds += seconds
         return seconds

@@ -15,7 +15,7 @@ from tiny import greedy_reference, tiny_causal_lm, tiny_gemma3, tiny_lm
 from drafttrain.decoding import DecodeSettings, Drafter, build_decoder
 from drafttrain.decoding.drafters.medusa import medusa_decoder
 from drafttrain.planning import accepted_within
-from drafttrain.decoding.verify import probabilities
+from drafttrain.decoding.verify import Sampled, probabilities
 from drafttrain.errors import UserError
 from drafttrain.medusa import MedusaConfig, MedusaHeads
 from drafttrain.trees import DEFAULT_TREE, chain_tree, default_tree, static_tree
@@ -230,7 +230,7 @@ def test_tree_margins_are_the_targets_top2_gap(target, engine):
             top2 = target(torch.tensor([prompt + gen.tokens[:i]])).logits[0, -1].topk(2).values
         assert gen.margins[i] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
     with pytest.raises(ValueError, match="greedy"):
-        medusa_decoder(target, noisy_heads(target, 2), temperature=1.0, record_margins=True)
+        medusa_decoder(target, noisy_heads(target, 2), rule=Sampled(1.0), record_margins=True)
 
 
 # --- sampling --------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def test_sampled_text_follows_target_distribution(temperature, top_p, prompt, en
     heads = far_heads(target, 2)
     exact = exact_two_token_distribution(target, prompt, temperature, top_p, V)
     g = torch.Generator().manual_seed(1234)
-    decoder = medusa_decoder(on_engine(target, engine), heads, temperature=temperature, top_p=top_p, generator=g)
+    decoder = medusa_decoder(on_engine(target, engine), heads, rule=Sampled(temperature, top_p, g))
     assert decoder.num_draft_tokens == 2
     n, counts, accepted, forwards = 2000, {}, 0, 0
     for _ in range(n):  # one seeded generator: repeated prompts must give independent samples
@@ -290,7 +290,7 @@ def test_sampling_same_seed_same_samples(engine):
 
     def run():
         g = torch.Generator().manual_seed(5)
-        dec = medusa_decoder(on_engine(target, engine), heads, temperature=1.0, generator=g)
+        dec = medusa_decoder(on_engine(target, engine), heads, rule=Sampled(1.0, generator=g))
         return [dec.generate([1, 2, 3], 12).tokens for _ in range(6)]
 
     first, second = run(), run()
