@@ -92,7 +92,8 @@ fi
 plan=(--tree-nodes "$TREE_NODES")
 if [ "$K" = auto ]; then  # acceptance from other prompts than the compared ones; trees sized too
   tail -n +"$((LIMIT + 1))" "$OUT/humaneval.jsonl" > "$OUT/humaneval-calibration.jsonl"
-  plan=(--tree-nodes auto --calibration-prompts "$OUT/humaneval-calibration.jsonl")
+  plan=(--calibration-prompts "$OUT/humaneval-calibration.jsonl")
+  if [ "$HEADS" = 1 ] || [ "$EAGLE3" = 1 ]; then plan+=(--tree-nodes auto); fi  # only tree drafters verify trees
 fi
 drafttrain compare --target "$MODEL" "${drafters[@]}" --drafter ngram=ngram --drafter suffix=suffix \
   --prompts "$OUT/humaneval.jsonl" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --num-draft-tokens "$K" "${plan[@]}" \

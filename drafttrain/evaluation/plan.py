@@ -138,7 +138,7 @@ def walked_lookup(cfg: EvalConfig, prompts: list[EncodedPrompt], continuations: 
     the calibration prompts' greedy continuations (`planning.walk_chain`): copying is bursty, so
     the deepest K's per-position acceptance misjudges a smaller K's."""
     new_lookup = BY_NAME[cfg.drafter_kind].lookup
-    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=None)
+    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes)
     by_k = {}
     for k in range(1, PLAN_MAX_K + 1):
         steps = []
@@ -185,7 +185,7 @@ def lookup_seconds(cfg: EvalConfig, kind: str, ids: list[int], max_k: int, repea
     """A lookup's host time proposing k = 0 .. max_k tokens at the end of `ids`: it reads the
     context, so it grows with the context's length, and beside a small model's forward on a CPU it
     is no free lunch (a plan that counted n-gram lookup as zero promised 1.10x and measured 0.94x)."""
-    lookup = BY_NAME[kind].lookup(cfg.decode_settings(k=max_k, nodes=None))
+    lookup = BY_NAME[kind].lookup(cfg.decode_settings(k=max_k, nodes=cfg.max_tree_nodes))
 
     def once(k: int) -> float:
         lookup.reset(ids[:-1])  # a lookup that keeps state catches up with the last token, as a step does

@@ -75,7 +75,7 @@ def speculative_config(cfg: EvalConfig, k: int, drafter: Drafter | None = None) 
     if k == 0 or kind.vllm is None:
         return None
     try:
-        return kind.vllm(cfg.drafter_path, k, drafter, cfg.decode_settings(k=k, nodes=None))
+        return kind.vllm(cfg.drafter_path, k, drafter, cfg.decode_settings(k=k, nodes=cfg.max_tree_nodes))
     except UserError as e:
         raise UserError(f"--backend vllm ({cfg.drafter_name}): {str(e).removeprefix('--backend vllm: ')}") from None
 

@@ -87,6 +87,21 @@ def test_a_calibrated_plan_decodes_with_its_k_and_equals_the_target(setup, tmp_p
         assert plan["walked"] is None
 
 
+def test_compare_plans_lookups_under_tree_nodes_auto(setup, tmp_path):
+    """The demo's K=auto line: compare with --num-draft-tokens auto --tree-nodes auto and n-gram
+    and suffix lookup beside a tree drafter. A lookup's plan is walked over the calibration
+    outputs, and the walk asked for decode settings with the tree's size still `auto`: refused,
+    and the whole comparison died after its other drafters' plans (Gemma-3 demo, 2026-11-26)."""
+    assert main(["compare", "--target", setup["target"], "--drafter", f"h=heads:{setup['heads']}",
+                 "--drafter", "n=ngram", "--drafter", "s=suffix", "--prompts", setup["prompts"], "--max-new-tokens", "8",
+                 "--num-draft-tokens", "auto", "--tree-nodes", "auto", "--calibration-prompts", setup["short"],
+                 "--dtype", "float64", "--out", str(tmp_path / "c"), "--quiet"]) == 0
+    for name in "ns":
+        report = json.loads((tmp_path / "c" / name / "report.json").read_text())
+        assert sorted(report["plan"]["walked"], key=int) == [str(k) for k in range(1, PLAN_MAX_K + 1)]
+        assert report["overall"]["outputs_match_baseline"] == 1.0
+
+
 def test_the_exports_record_is_the_acceptance_source(setup, tmp_path):
     assert main(argv(setup, tmp_path / "o", drafter=("--draft", setup["recorded"]))) == 0
     plan = json.loads((tmp_path / "o" / "report.json").read_text())["plan"]
