@@ -9,6 +9,7 @@ import sys
 
 from .compare import run_compare, served_checks, served_warnings
 from ..config import add_flags, from_args
+from ..decoding.drafters import LOOKUPS, flagged, methods
 from .config import EvalConfig
 from .replay import ReplayConfig, format_results, run_replay
 from .run import run_eval
@@ -25,8 +26,10 @@ def add_cli(sub) -> None:
     p = sub.add_parser("compare", help="several drafters side by side on one target, in one run",
                        description="Several drafters on one target, one process, one shared baseline.")
     p.add_argument("--drafter", action="append", required=True, metavar="NAME=KIND[:DIR]",
-                   help="NAME=draft:DIR, NAME=heads:DIR, NAME=eagle3:DIR, NAME=ngram or NAME=none, optionally ending "
-                        "in @vllm or @drafttrain (who decodes it; unset: --backend); repeat for each drafter (required)")
+                   help=", ".join([f"NAME={k.flag}:DIR" for k in flagged()] + [f"NAME={k.name}" for k in methods()])
+                   + " (a drafter with weights may end in +LOOKUP: " + ", ".join(f"+{n}" for n in LOOKUPS)
+                   + "), optionally ending in @vllm or @drafttrain (who decodes it; unset: --backend); repeat for "
+                     "each drafter (required)")
     add_flags(p, EvalConfig, drafter=False, docs={
         "out": "Directory for comparison.md/json, the comparison plots and one report per drafter (NAME/). One "
                "that exists and is not empty is refused unless --overwrite."})
