@@ -3,7 +3,7 @@
 One random stream drawn batch after batch makes a row's sample depend on its batch, its place in
 it and the process that wrote it; answers written by several ranks, or resumed after a kill,
 would then differ from one process's. Each row instead samples from its own seed, taken from
-the run's seed and the prompt itself (`prompt_seeds`), through the counter-based race of
+the run's seed and the prompt itself (`prompt_seeds`), through the counter-based draw of
 `decoding.batch.sample_rows` on both engines (transformers' `generate` through `RowSampling`).
 """
 
@@ -40,8 +40,8 @@ def prompt_seeds(seed: int, prompts: Sequence[Sequence[int]]) -> list[int]:
 
 class RowSampling:
     """A logits processor for transformers' `generate(do_sample=False)`: scores whose argmax is a
-    sample of the temperature / top-p distribution from each row's seed (log(p / E), -inf outside
-    the nucleus). `width`: the left-padded prompts' width, so the step is the new token's index."""
+    sample of the temperature / top-p distribution from each row's seed (0 at the sampled token,
+    -inf elsewhere). `width`: the left-padded prompts' width, so the step is the new token's index."""
 
     def __init__(self, seeds: Sequence[int], width: int, temperature: float, top_p: float):
         self.seeds = torch.tensor(list(seeds), dtype=torch.long)
