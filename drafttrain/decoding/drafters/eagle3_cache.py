@@ -26,7 +26,7 @@ from torch import nn
 
 from ...eagle3.model import DraftStep, Eagle3Config, Eagle3Draft
 from ..engines import device_tensor, use_skinny_matmuls
-from ..engines.compiled import CompiledStep, timed_warmup
+from ..engines.compiled import CompiledStep, step_state, timed_warmup
 from .eagle3_tree import DynamicTree, grow_dynamic_tree
 
 
@@ -86,12 +86,10 @@ class Eagle3StaticCache(nn.Module):
                  dtype: torch.dtype | None = None):
         super().__init__()
         shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
-        self.register_buffer("keys", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("values", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("valid", torch.zeros(batch_size, capacity, dtype=torch.bool, device=device),
+        self.register_buffer("keys", step_state(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("values", step_state(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("valid", step_state((batch_size, capacity), dtype=torch.bool, device=device),
                              persistent=False)
-        for t in (self.keys, self.values, self.valid):
-            torch._dynamo.mark_static_address(t)
         self.capacity = capacity
         self.length = 0
 

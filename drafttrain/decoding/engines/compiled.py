@@ -77,6 +77,18 @@ def compile_cache_state(compile_seconds: float) -> str:
     return "warm" if hits and not misses else "cold"
 
 
+def step_state(shape, *, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """Zeros that a compiled step reads or writes in place (a cache, an input buffer), at a fixed
+    address. Allocated outside inference mode whatever the caller's mode: the step runs outside it,
+    and on CUDA inductor's autotuner restores a mutated argument between its trials with an
+    in-place copy, which an inference tensor refuses (every answer-writing run failed so on an H100
+    while its caches were allocated under the writer's `inference_mode`)."""
+    with torch.inference_mode(False):
+        t = torch.zeros(shape, dtype=dtype, device=device)
+    torch._dynamo.mark_static_address(t)
+    return t
+
+
 def _clone(out):
     if isinstance(out, torch.Tensor):
         return out.clone()
@@ -106,13 +118,8 @@ class CompiledStep:
         """`args` copied into this step's own buffers for their signature (allocated once)."""
         key = _signature(args)
         if key not in self._buffers:
-            with torch.inference_mode(False):
-                buffers = [torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else None
-                           for a in args]
-            for b in buffers:
-                if b is not None:
-                    torch._dynamo.mark_static_address(b)
-            self._buffers[key] = buffers
+            self._buffers[key] = [step_state(a.shape, dtype=a.dtype, device=a.device)
+                                  if isinstance(a, torch.Tensor) else None for a in args]
         staged = self._buffers[key]
         with torch.no_grad():
             for buffer, arg in zip(staged, args):

@@ -21,15 +21,16 @@ path times both products on each weight shape for every row count (interleaved r
 once per process and shape: `faster_rows`) and keeps `W · xᵀ` only for the row counts where it
 wins clearly.
 
-One row was long left to BLAS's GEMV, until a later AMD EPYC machine (MKL, 2 cores) ran a
-1-token SmolLM2 forward in 57 ms and a 2-token one in 48: in a forward every weight arrives cold
-from memory, and there the GEMV streamed it slowly, while the same row padded to two and taken as
-`W · xᵀ` made the forward 32 ms (measured in-process, interleaved medians). Timed on one weight
-over and over (the weight hot in cache) the GEMV still looked faster for every layer but the LM
-head, so one row is measured with the weights cold: each call reads another copy (`COLD_BYTES` of
-copies in all), as a forward meets them. Without this, plain decoding (every report's baseline)
-ran its 1-token forwards on the slow path while verification's 2+ tokens took the fast one, and
-speedups on that machine were overstated.
+In a forward every weight arrives cold from memory, so every row count is timed against cold
+copies of the weight (`COLD_BYTES` of copies in all, read in turn). One row was once left to
+BLAS's GEMV and timed hot: on an AMD EPYC machine a 1-token SmolLM2 forward then took 57 ms and a
+2-token one 48, since the GEMV streams a cold weight slowly. Later 2-8 rows, still timed hot,
+misjudged Gemma-3's k/v and down projections the same way.
+
+The rows reach `mm` as they were timed: the transpose of contiguous rows. A skinny layer returns
+a transposed view, and passed on as it was, the next layer's rows arrived as a row-major right
+operand, a layout MKL multiplies up to 3x slower: Gemma-3-270M's 2-token forward cost 49 ms
+against 37 for one, SmolLM2's 36 against 24; made contiguous (a copy of a few rows), 39 and 27.
 
 The result is the same product up to float rounding; baseline and speculative decoding run the
 same model, so they share it (each report's `match baseline` checks equality). Only 1 to
@@ -61,7 +62,7 @@ def _mm_product(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     width = PADDED_ROWS.get(rows, rows)
     if width > rows:
         flat = torch.cat([flat, flat.new_zeros(width - rows, flat.shape[1])])
-    return torch.mm(weight, flat.t()).t()[:rows]
+    return torch.mm(weight, flat.contiguous().t()).t()[:rows]
 
 
 @torch.no_grad()
@@ -69,7 +70,7 @@ def product_seconds(weight: torch.Tensor, rows: int) -> tuple[float, float]:
     """Median seconds of (W · xᵀ, F.linear) for `rows` random rows against `weight`, interleaved;
     one row against cold copies of the weight (`COLD_BYTES`), as a decoding forward meets it."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    count = -(-COLD_BYTES // max(1, weight.numel() * weight.element_size())) if rows == 1 else 1
+    count = -(-COLD_BYTES // max(1, weight.numel() * weight.element_size()))
     copies = itertools.cycle([weight] + [weight.clone() for _ in range(count - 1)])
     products = (lambda: _mm_product(next(copies), x), lambda: torch.nn.functional.linear(x, next(copies)))
     times: tuple[list[float], list[float]] = ([], [])

@@ -36,7 +36,7 @@ from ...errors import UserError
 from ...models import is_sharded_module
 from ...trees import Tree
 from .base import CachedLM, device_tensor
-from .compiled import WARMUP_RUNS, CompiledStep, timed_warmup
+from .compiled import WARMUP_RUNS, CompiledStep, step_state, timed_warmup
 from .matmul import use_skinny_matmuls
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -87,13 +87,11 @@ class StaticCache(nn.Module):
         self.head_dim = attn.head_dim
         self.capacity = capacity
         shape = (batch_size, self.kv_heads, capacity, self.head_dim)
-        for i in range(self.num_layers):
-            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=weight.dtype, device=weight.device), persistent=False)
-            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=weight.dtype, device=weight.device), persistent=False)
+        for i in range(self.num_layers):  # fixed addresses: CUDA graphs replay in place
+            self.register_buffer(f"k{i}", step_state(shape, dtype=weight.dtype, device=weight.device), persistent=False)
+            self.register_buffer(f"v{i}", step_state(shape, dtype=weight.dtype, device=weight.device), persistent=False)
         self.keys = [getattr(self, f"k{i}") for i in range(self.num_layers)]
         self.values = [getattr(self, f"v{i}") for i in range(self.num_layers)]
-        for t in self.keys + self.values:
-            torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs replay in place
         self.windows = layer_windows(model)
         self.rope_names = layer_rope_names(model)
         with torch.no_grad():

@@ -77,3 +77,27 @@ def test_a_second_identical_run_reads_its_compiled_code_from_the_cache(tmp_path)
     states = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
                              ).stdout.split()[-1] for _ in range(2)]
     assert states == ["cold", "warm"]
+
+
+def test_state_a_step_writes_in_place_is_never_an_inference_tensor():
+    """The answer writer builds its generator under `inference_mode`; the compiled step runs
+    outside it, and on CUDA inductor's autotuner restores each mutated argument between trials
+    with an in-place copy, which an inference tensor refuses (every GPU answer-writing run failed
+    so). That copy, done here on every cache a compiled step writes, must pass."""
+    from tiny import tiny_lm
+
+    from drafttrain.decoding.batch import BatchGenerator
+    from drafttrain.decoding.drafters.eagle3_cache import Eagle3StaticCache
+    from types import SimpleNamespace
+
+    model = tiny_lm(0, vocab_size=64)
+    with torch.inference_mode():
+        generator = BatchGenerator(model, batch_size=2, max_length=16, compile=False)
+        draft_cache = Eagle3StaticCache(SimpleNamespace(num_key_value_heads=1, head_dim=8), 8)
+        staged = CompiledStep(lambda x: x, torch.device("cpu"))._staged([torch.ones(3)])
+    state = [*generator.lm.cache.keys, *generator.lm.cache.values, draft_cache.keys, draft_cache.values,
+             draft_cache.valid, staged[0]]
+    with torch.no_grad():
+        for t in state:
+            t.copy_(torch.ones_like(t))  # the autotuner's restore, outside inference mode
+    assert all(bool(t.all()) for t in state)
