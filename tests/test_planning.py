@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
-from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, expected_tokens, noisy, plan_chain, plan_tree,
+from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, expected_tokens, lookup_share, noisy,
+                                 plan_chain, plan_tree,
                                  step_seconds, tree_expected_tokens, tree_node_limit, walk_chain, walked_rates)
 from drafttrain.trees import tree_from_parents
 
@@ -203,6 +204,22 @@ def test_a_hybrid_step_accepts_the_longer_of_its_tree_and_its_ngram_chain():
     no_lookup = TreeStep(step.tokens, step.parents, step.depths, step.continuation)
     assert accepted_within(no_lookup, 4, 4) == 1
     assert tree_expected_tokens([step, no_lookup], 4, 4) == pytest.approx(1 + (4 + 1) / 2)
+
+
+def test_a_hybrids_ngram_nodes_are_charged_cut_to_each_depth():
+    """The hybrid's n-gram nodes per step are recorded with the deepest tree (chains of 4 here, 4 a
+    step); a depth-1 tree verifies one of them. A step of 2 model nodes is the measured 3-node one
+    moved along the verification curve at the step's own n-gram count: from 4 to 3 nodes (free
+    here), not from 7 to 6 (dear), which priced Gemma-3's depth-1 hybrid step below a plain step
+    (planned 1.82x, measured 1.28x)."""
+    step = TreeStep(tokens=(5, 6), parents=(-1, -1), depths=(1, 1), continuation=(5, 9, 9, 9, 1), lookup=(5, 9, 9, 9))
+    costs = TreeCosts((1, 2, 3, 4, 5, 6, 7), (1.0, 1.0, 2.0, 2.0, 3.0, 5.0, 7.0), {(2, 1): (3, 2.5)}, 1.0)
+    plan = plan_tree({2: [step]}, costs, [1], [2], extra_tokens={2: 4.0})
+    depth1 = next(c for c in plan.candidates if c.num_draft_tokens == 1)
+    assert depth1.tree_nodes == 2
+    assert depth1.planned_speedup == pytest.approx(tree_expected_tokens([step], 1, 2) * 1.0 / 2.5)
+    assert plan.num_draft_tokens == 0  # 2 tokens a step for 2.5 plain steps: the target alone wins
+    assert lookup_share([step], 1) == pytest.approx(0.25) and lookup_share([step], 4) == 1.0
 
 
 def test_a_tree_step_between_measured_sizes_is_interpolated():
