@@ -229,3 +229,22 @@ def test_prompt_flags_that_do_not_apply_are_refused(tmp_path, capsys, flags, wor
     line = one_error(capsys)
     assert all(w in line for w in words), line
     assert not (tmp_path / "bench").exists()
+
+
+def test_a_run_stopped_in_the_step_overhead_section_leaves_the_targets_figures(tmp_path, monkeypatch):
+    """The tiny models' section runs last and compiles a graph per drafter kind (minutes on a GPU,
+    where a device's time limit stopped it twice before any figure was written): the target's
+    figures are written before it, and say that the section did not finish."""
+    from drafttrain.bench import run as bench_run
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # what a timeout's signal does to the run
+
+    monkeypatch.setattr(bench_run, "step_overheads", stopped)
+    assert run(tmp_path, "--shape", "tiny", "--num-prompts", "1", "--prompt-length", "9", overhead=True) != 0
+    out = tmp_path / "bench"
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md", "bench.png"]
+    b = json.loads((out / "bench.json").read_text())
+    assert b["step_overhead"] is None and b["plain_decoding"]["drafttrain static"]["tokens_per_s"]["median"] > 0
+    assert any("step overhead not yet measured" in n for n in b["notes"])
+    assert not list(tmp_path.glob("*partial*"))  # no staging directory left beside it
