@@ -226,6 +226,7 @@ class TreeCosts:
     steps: dict[tuple[int, int], tuple[float, float]]
     plain: float
     warnings: tuple[str, ...] = field(default=())
+    exact: dict[tuple[int, int, int], float] = field(default_factory=dict)  # (top-k, depth, nodes): a whole step
 
     def verify_seconds(self, nodes: float) -> float:
         """The verification curve at `nodes`, linear between measured sizes."""
@@ -237,6 +238,8 @@ class TreeCosts:
         return self.verify[i - 1] + (self.verify[i] - self.verify[i - 1]) * (nodes - n0) / (n1 - n0)
 
     def step_seconds(self, topk: int, depth: int, nodes: int, extra: float = 0.0) -> float:
+        if (topk, depth, nodes) in self.exact:  # measured whole at this very tree
+            return self.exact[(topk, depth, nodes)]
         measured_nodes, seconds = self.steps[(topk, depth)]
         return seconds + self.verify_seconds(nodes + extra) - self.verify_seconds(measured_nodes + extra)
 
@@ -244,6 +247,8 @@ class TreeCosts:
         return {"verify_sizes": list(self.sizes), "verify_seconds": list(self.verify),
                 "step_seconds": [{"tree_topk": k, "num_draft_tokens": d, "tree_nodes": n, "seconds": s}
                                  for (k, d), (n, s) in sorted(self.steps.items())],
+                "exact_step_seconds": [{"tree_topk": k, "num_draft_tokens": d, "tree_nodes": n, "seconds": s}
+                                       for (k, d, n), s in sorted(self.exact.items())],
                 "plain_step_seconds": self.plain}
 
 
@@ -263,14 +268,15 @@ def lookup_share(steps: list[TreeStep], depth: int) -> float:
 
 
 def plan_tree(steps: dict[int, list[TreeStep]], costs: TreeCosts, depths: list[int], nodes: list[int],
-              extra_tokens: dict[int, float] | None = None, node_limit=tree_node_limit) -> Plan:
+              extra_tokens: dict[int, float] | None = None, node_limit=tree_node_limit,
+              measured_only: bool = False) -> Plan:
     """The (top-k, depth, nodes) with the most expected tokens per second, or the target alone.
     `steps[topk]`: the recorded steps of the largest tree of that top-k; `depths`, `nodes`: the
     settings to weigh (node budgets beyond what `node_limit(topk, depth)` can fill are cut to it:
     EAGLE-2's expansion, or a static tree's nodes that deep); `extra_tokens[topk]`: a hybrid's
     n-gram nodes per step beside the deepest tree, cut to each depth (`lookup_share`). Charged at
     the deepest tree's count, a depth-1 step of Gemma-3's hybrid was priced below a plain step
-    (planned 1.82x, measured 1.28x)."""
+    (planned 1.82x, measured 1.28x). `measured_only`: weigh only trees in `costs.exact`."""
     candidates = [Candidate(0, 1.0, 1.0)]
     for topk, recorded in sorted(steps.items()):
         for depth in depths:
@@ -278,10 +284,35 @@ def plan_tree(steps: dict[int, list[TreeStep]], costs: TreeCosts, depths: list[i
                 continue
             extra = (extra_tokens or {}).get(topk, 0.0) * lookup_share(recorded, depth)
             for n in sorted({min(n, node_limit(topk, depth)) for n in nodes}):
+                if measured_only and (topk, depth, n) not in costs.exact:
+                    continue
                 e = tree_expected_tokens(recorded, depth, n)
                 seconds = costs.step_seconds(topk, depth, n, extra)
                 candidates.append(Candidate(depth, e, e * costs.plain / seconds, n, topk))
     return best_plan(candidates)
+
+
+MEASURED_TREES = 6  # trees a plan measures whole, at most, before it settles on the best of them
+
+
+def plan_tree_measured(steps: dict[int, list[TreeStep]], costs: TreeCosts, depths: list[int], nodes: list[int],
+                       measure, extra_tokens: dict[int, float] | None = None, node_limit=tree_node_limit,
+                       limit: int = MEASURED_TREES) -> Plan:
+    """`plan_tree` whose chosen tree is priced by its own measured step, never by the curve alone.
+    A step of a small tree, priced as the deepest tree's measured step moved down the verification
+    curve, is the difference of two large measured times, and on a lumpy curve it can be far off
+    (Gemma-3 on 2 cores: a 4-node tree planned 1.83x, measured 1.17x). So the leader is measured
+    whole (`measure(topk, depth, nodes)` -> seconds, into `costs.exact`) and the plan made again,
+    until the leader is a measured tree; after `limit` measurements, the best measured tree (or the
+    target alone). Where the curve's estimates are no dearer than the measured steps, this is the
+    plan that full measurement of every tree would give."""
+    for _ in range(limit):
+        plan = plan_tree(steps, costs, depths, nodes, extra_tokens, node_limit)
+        key = (plan.tree_topk, plan.num_draft_tokens, plan.tree_nodes)
+        if plan.num_draft_tokens == 0 or key in costs.exact:
+            return plan
+        costs.exact[key] = measure(*key)
+    return plan_tree(steps, costs, depths, nodes, extra_tokens, node_limit, measured_only=True)
 
 
 OVERHEAD_LIMIT = 10.0  # a step's overhead beyond its forwards, in target forwards of one token, at most
@@ -335,6 +366,7 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
     return out
 
 
-__all__ = ["NODE_BUDGETS", "Candidate", "Costs", "Plan", "TreeCosts", "TreeStep", "accepted_within", "best_plan",
-           "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain", "plan_tree", "step_seconds", "tree_expected_tokens",
+__all__ = ["MEASURED_TREES", "NODE_BUDGETS", "Candidate", "Costs", "Plan", "TreeCosts", "TreeStep", "accepted_within",
+           "best_plan", "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain",
+           "plan_tree", "plan_tree_measured", "step_seconds", "tree_expected_tokens",
            "tree_node_limit", "walk_chain", "walked_rates"]

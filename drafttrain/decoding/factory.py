@@ -104,6 +104,6 @@ def build_decoder(target, drafter: Drafter, settings: DecodeSettings) -> Decoder
                          f"not {drafter.kind} at temperature {settings.temperature}")
     decoder = kind.build(as_cached_lm(target), drafter, settings)
     if lookup:
-        decoder = hybrid_decoder(decoder, kind_of(lookup).lookup(settings))
+        decoder = hybrid_decoder(decoder, kind_of(lookup).lookup(settings), settings.num_draft_tokens)
     decoder.tree_name = tree_name(drafter, settings)
     return decoder

@@ -30,8 +30,8 @@ from ..decoding.drafters import BY_NAME, target_alone, trained_drafter
 from ..decoding.factory import tree_choice
 from ..errors import UserError
 from ..export import RECORD
-from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, fallback_plan, implausible, noisy, plan_chain, plan_tree,
-                        tree_node_limit, walk_chain, walked_rates)
+from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, fallback_plan, implausible, noisy, plan_chain,
+                        plan_tree_measured, tree_node_limit, walk_chain, walked_rates)
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
 from .config import PLAN_MAX_K, PLAN_MAX_NODES, PLAN_PROBE_TOKENS, EvalConfig
 from .costs import forward_curve
@@ -390,7 +390,11 @@ def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, ids: list[int],
     sizes = sorted({1, *range(2, 9), *(n for n in NODE_BUDGETS if n <= max(nodes) + max(depths))})
     costs, doubts = trusted_tree_costs(cfg, models, ids, measured, sizes)
     limit = tree_node_limit if dynamic else (lambda topk, depth: measured[(topk, depth)][0])
-    plan = fallback_plan() if doubts else plan_tree(steps, costs, depths, nodes, extra, node_limit=limit)
+    def measure(topk, depth, n):
+        return tree_step_seconds(cfg, models, ids, depth, n, topk)[1]
+
+    plan = fallback_plan() if doubts else plan_tree_measured(steps, costs, depths, nodes, measure, extra,
+                                                             node_limit=limit)
     warn_noise(cfg, costs.warnings)
     warn_untrusted(cfg, doubts)
     ranked = sorted(plan.candidates, key=lambda c: -c.planned_speedup)

@@ -107,11 +107,15 @@ class HybridDrafter(TreeDrafter):
 
     name = "hybrid"
 
-    def __init__(self, model: TreeDrafter, device, lookup):
+    def __init__(self, model: TreeDrafter, device, lookup, depth: int | None = None):
         self.model, self.device, self.lookup = model, torch.device(device), lookup
         self.hidden_layers = tuple(model.hidden_layers)
-        # the lookup adds at most one chain, no deeper than a step of the model may go
-        self.max_depth, self.max_nodes, self.paths = model.max_depth, model.max_nodes + model.max_depth, None
+        # The lookup adds at most one chain, `depth` deep (the run's K): as deep as the model's tree
+        # or deeper, where a node budget keeps the model shallower than K (EAGLE-3's dynamic tree
+        # of 2 nodes is 1 deep). Cut to the model's depth, such a hybrid verified one n-gram token
+        # a step while its plan counted K (Gemma-3: planned 1.78x, measured 1.25x, below n-gram alone).
+        depth = max(model.max_depth, depth or 0)
+        self.max_depth, self.max_nodes, self.paths = depth, model.max_nodes + depth, None
         self.sequence: list[int] = []
         self.last_lookup: list[int] = []  # the last step's n-gram continuation (before merging)
         self._added = torch.zeros((), dtype=torch.long, device=self.device)  # lookup nodes beyond the model's
@@ -138,7 +142,7 @@ class HybridDrafter(TreeDrafter):
         return self.model.candidates()
 
     def draft(self, root, depth):
-        tokens, tree = self.model.draft(root, depth)
+        tokens, tree = self.model.draft(root, min(depth, self.model.max_depth))
         self.last_lookup = self.lookup.lookup(depth, self.sequence)
         if not self.last_lookup:  # most steps of fresh text: the model's tree as it is
             return tokens, tree
@@ -151,14 +155,15 @@ class HybridDrafter(TreeDrafter):
         self.sequence += list(accepted) + [bonus]
 
 
-def hybrid_decoder(decoder: ChainDecoder | TreeDecoder, lookup) -> TreeDecoder:
-    """A greedy decoder's drafter with `lookup` (a lookup proposer) joined: a tree decoder on the
-    same target, with the same EOS tokens, rule and margin recording."""
+def hybrid_decoder(decoder: ChainDecoder | TreeDecoder, lookup, depth: int | None = None) -> TreeDecoder:
+    """A greedy decoder's drafter with `lookup` (a lookup proposer, its chain up to `depth` deep:
+    the run's K) joined: a tree decoder on the same target, with the same EOS tokens, rule and
+    margin recording."""
     if isinstance(decoder, TreeDecoder):
         model = decoder.drafter
     else:
         model = ChainAsTree(decoder.proposer, decoder.num_draft_tokens, decoder.device)
-    return TreeDecoder(decoder.target, HybridDrafter(model, decoder.device, lookup),
+    return TreeDecoder(decoder.target, HybridDrafter(model, decoder.device, lookup, depth),
                        eos_token_ids=decoder.eos, record_margins=decoder.record_margins, rule=decoder.rule)
 
 
