@@ -23,7 +23,8 @@ Trees (Medusa heads, EAGLE-3) are planned the same way over (top-k, depth, nodes
 expected tokens are read off recorded steps of the largest tree (`TreeStep`: its candidates in
 the order a smaller budget keeps them, and the target's greedy continuation, which decides what
 any sub-tree would have accepted), and a step's cost is a measured whole step of each (top-k,
-depth), moved along the target's measured cost of verifying n tree nodes (`TreeCosts`).
+depth), moved along the target's measured cost of verifying n tree nodes (`TreeCosts`); the tree
+a plan chooses is always priced by its own measured step (`plan_tree_measured`).
 
 Acceptance must come from other prompts than the ones being timed (the drafter's recorded
 held-out acceptance, or a calibration file), or the plan would be fitted to the test.
