@@ -9,7 +9,8 @@ import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
 from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, expected_tokens, lookup_share, noisy,
-                                 plan_chain, plan_tree, plan_tree_measured, step_seconds, tree_expected_tokens, tree_node_limit, walk_chain, walked_rates)
+                                 plan_chain, plan_tree, plan_tree_measured, step_seconds, tree_expected_tokens,
+                                 tree_node_limit, walk_chain, walked_rates)
 from drafttrain.trees import tree_from_parents
 
 

@@ -390,6 +390,7 @@ def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, ids: list[int],
     sizes = sorted({1, *range(2, 9), *(n for n in NODE_BUDGETS if n <= max(nodes) + max(depths))})
     costs, doubts = trusted_tree_costs(cfg, models, ids, measured, sizes)
     limit = tree_node_limit if dynamic else (lambda topk, depth: measured[(topk, depth)][0])
+
     def measure(topk, depth, n):
         return tree_step_seconds(cfg, models, ids, depth, n, topk)[1]
 

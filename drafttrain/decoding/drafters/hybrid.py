@@ -107,14 +107,14 @@ class HybridDrafter(TreeDrafter):
 
     name = "hybrid"
 
-    def __init__(self, model: TreeDrafter, device, lookup, depth: int | None = None):
+    def __init__(self, model: TreeDrafter, device, lookup, depth: int):
         self.model, self.device, self.lookup = model, torch.device(device), lookup
         self.hidden_layers = tuple(model.hidden_layers)
         # The lookup adds at most one chain, `depth` deep (the run's K): as deep as the model's tree
         # or deeper, where a node budget keeps the model shallower than K (EAGLE-3's dynamic tree
         # of 2 nodes is 1 deep). Cut to the model's depth, such a hybrid verified one n-gram token
         # a step while its plan counted K (Gemma-3: planned 1.78x, measured 1.25x, below n-gram alone).
-        depth = max(model.max_depth, depth or 0)
+        depth = max(model.max_depth, depth)
         self.max_depth, self.max_nodes, self.paths = depth, model.max_nodes + depth, None
         self.sequence: list[int] = []
         self.last_lookup: list[int] = []  # the last step's n-gram continuation (before merging)
@@ -155,7 +155,7 @@ class HybridDrafter(TreeDrafter):
         self.sequence += list(accepted) + [bonus]
 
 
-def hybrid_decoder(decoder: ChainDecoder | TreeDecoder, lookup, depth: int | None = None) -> TreeDecoder:
+def hybrid_decoder(decoder: ChainDecoder | TreeDecoder, lookup, depth: int) -> TreeDecoder:
     """A greedy decoder's drafter with `lookup` (a lookup proposer, its chain up to `depth` deep:
     the run's K) joined: a tree decoder on the same target, with the same EOS tokens, rule and
     margin recording."""
