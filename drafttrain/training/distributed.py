@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  before any process group: see close_process_group
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object
 
@@ -158,7 +159,14 @@ def any_rank(accelerator, flag: torch.Tensor) -> bool:
 
 def close_process_group() -> None:
     """Tear the process group down before the interpreter does: left to exit, gloo's threads can
-    die un-joined ("terminate called without an active exception", SIGABRT) after a finished run."""
+    die un-joined ("terminate called without an active exception", SIGABRT) after a finished run.
+
+    Destroying frees the group only if nothing else holds it. `torch.distributed.nn.functional`
+    binds the world group into ten default arguments when it is first imported (torch._dynamo
+    imports it, which transformers does lazily); imported after the group exists, it keeps the
+    group and its worker threads alive into interpreter shutdown, where a thread releasing the last
+    collective's tensors aborts the process (5 runs in 72 of tests/data/answers_worker.py here).
+    This module imports it first, before any group exists."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

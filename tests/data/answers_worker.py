@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import torch
+# Before the group exists, or the group outlives destroy_process_group: see
+# drafttrain.training.distributed.close_process_group.
+import torch.distributed.nn.functional  # noqa: F401
 
 from drafttrain.data.config import DataConfig
 from drafttrain.data.ranks import Ranks

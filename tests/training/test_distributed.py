@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from training_helpers import (assert_same_weights, load_weights, recipe_args, run_launched_recipe,
@@ -28,6 +30,29 @@ def reference(assets, tmp_path_factory):
     result = run_python_recipe(recipe_args(assets, out, *COMMON, "train.gradient_accumulation_steps=2"))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+FREED_AFTER_CLOSE = """
+import gc, sys, weakref
+import torch.distributed as dist
+from drafttrain.training.distributed import close_process_group
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+group = weakref.ref(dist.distributed_c10d._get_default_group())
+import torch._dynamo  # what a transformers model's first load imports, after the group exists
+close_process_group()
+gc.collect()
+print("freed" if group() is None else "alive")
+"""
+
+
+def test_closing_the_process_group_frees_it_after_torch_dynamo_is_imported(tmp_path):
+    """A group still alive after close_process_group keeps gloo's threads into interpreter shutdown,
+    where they can abort a finished run (see its docstring). A fresh interpreter: this one has
+    imported torch._dynamo long ago."""
+    run = subprocess.run([sys.executable, "-c", FREED_AFTER_CLOSE, f"file://{tmp_path / 'store'}"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "freed"
 
 
 def train_losses(out) -> list[float]:
