@@ -4,7 +4,8 @@ One process with micro-batch 2 and 2 accumulation steps sees exactly the global 
 processes with micro-batch 2 each (see `MicroBatches`), so the runs differ only in the order of
 float additions. On-policy sampling is off, and the tiny Llamas have no dropout. The processes
 run on the CPU over gloo; DeepSpeed compiles a small communication op on its very first start
-(about a minute, then cached in TORCH_EXTENSIONS_DIR).
+(about a minute, then cached in TORCH_EXTENSIONS_DIR). And a closed process group is really freed,
+whatever was imported after it began (`close_process_group`).
 """
 
 from __future__ import annotations
