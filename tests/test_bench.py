@@ -87,6 +87,40 @@ def test_bench_figures_are_consistent(tmp_path):
     for text in ("## Roofline", "## Plain decoding", "## One forward", "## Oracle speculation", "bench.png",
                  f"{b['roofline_tokens_per_s']:,.1f}", "skipped: transformers compiles", "## Step overhead"):
         assert text in md
+    assert b["capture"] == {"cudagraph_skips": None, "cuda_graphs": None}  # nothing captured off CUDA
+    assert "CUDA graphs recorded" not in md
+
+
+def test_bench_reports_the_cuda_graphs_its_own_steps_recorded(tmp_path, monkeypatch):
+    """Issue 36: bench.json's `capture` and a bench.md line say how many CUDA graphs the run's own
+    compiled steps recorded and how many graphs skipped capture, read from torch's counters (set by
+    hand here, the run made to read them as on CUDA) since the run's start; transformers' compiled
+    `generate` graphs are not ours and not counted."""
+    from collections import Counter
+
+    from torch._dynamo.utils import counters
+
+    from drafttrain.bench import measure
+    from drafttrain.bench import run as bench_run
+    from drafttrain.decoding.engines import compiled
+
+    monkeypatch.setitem(counters, "inductor", Counter(cudagraph_skips=4))  # before the run: not its own
+    monkeypatch.setitem(counters, "drafttrain", Counter(cuda_graphs=9))
+    monkeypatch.setattr(bench_run, "capture_counts", lambda device, since=None: compiled.capture_counts("cuda", since))
+
+    def counting(fn, graphs, skips):
+        def wrapped(*args, **kwargs):
+            counters["drafttrain"]["cuda_graphs"] += graphs
+            counters["inductor"]["cudagraph_skips"] += skips
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(measure, "forward_times", counting(measure.forward_times, 5, 0))
+    monkeypatch.setattr(measure, "hf_generate_rate", counting(measure.hf_generate_rate, 100, 1))
+    assert run(tmp_path, "--shape", "tiny", "--num-prompts", "1", "--prompt-length", "9") == 0
+    out = tmp_path / "bench"
+    assert json.loads((out / "bench.json").read_text())["capture"] == {"cudagraph_skips": 0, "cuda_graphs": 5}
+    assert "**5** CUDA graphs recorded, cudagraph_skips **0**" in (out / "bench.md").read_text()
 
 
 def test_bench_on_a_model_directory_with_a_prompt_file(tmp_path):

@@ -3,8 +3,8 @@
 With a model this small a step's time is almost all overhead: Python, launches of ops run outside
 compiled steps, and waits for the host to read the device. So the figures show, on any machine,
 what a drafter kind adds to every step before its models' work: host syncs per step (one is the
-floor: the host must learn what was accepted), eager ops per step (`engines.overhead`) and the
-median step time. Every kind runs on the static engine with compiled steps; on a CPU they are
+floor: the host must learn what was accepted), eager ops and compiled calls (graph launches) per
+step (`engines.overhead`) and the median step time. Every kind runs on the static engine with compiled steps; on a CPU they are
 traced by dynamo's eager backend (the same graphs, no generated code: inductor would spend
 minutes compiling tiny graphs), on CUDA compiled and captured as CUDA graphs as in any run.
 """
@@ -75,7 +75,8 @@ def tiny_models(device: torch.device, dtype: torch.dtype, k: int) -> tuple[torch
 
 
 def step_overheads(device: torch.device, dtype: torch.dtype, k: int, seed: int = 0) -> list[dict]:
-    """Per drafter kind: host syncs and eager ops per step (counted), median step milliseconds."""
+    """Per drafter kind: host syncs, eager ops and compiled calls per step (counted), median step
+    milliseconds."""
     with traced_on_cpu(device):
         target, drafters = tiny_models(device, dtype, k)
         length = PROMPT + NEW_TOKENS + 2 * (DYNAMIC["tree_nodes"] + k)
@@ -89,8 +90,9 @@ def step_overheads(device: torch.device, dtype: torch.dtype, k: int, seed: int =
                 model = draft_lms.setdefault(kind, StaticLM(model, max_length=length, compile=True))
             decoder = build_decoder(lm, Drafter(kind, model, info), DecodeSettings(num_draft_tokens=k, **extra))
             decoder.warmup()
-            syncs, ops, steps = step_overhead(decoder, prompt, NEW_TOKENS)
+            counted = step_overhead(decoder, prompt, NEW_TOKENS)
             seconds = decoder.generate(prompt, NEW_TOKENS).step_seconds
-            rows.append({"drafter": name, "syncs_per_step": syncs, "eager_ops_per_step": ops, "steps": steps,
+            rows.append({"drafter": name, "syncs_per_step": counted.syncs, "eager_ops_per_step": counted.eager_ops,
+                         "compiled_calls_per_step": counted.compiled_calls, "steps": counted.steps,
                          "step_ms": 1e3 * median(seconds)})
     return rows

@@ -30,13 +30,25 @@ def overhead_lines(o: dict | None) -> list[str]:
         return []
     lines = ["", f"## Step overhead by drafter kind (tiny random models, K = {o['k']})", "",
              "What a drafter kind adds to every step whatever the model: host syncs per step (1 is the floor), "
-             "ops run outside compiled steps (each a kernel launch from Python on a GPU) and the median step "
+             "ops run outside compiled steps (each a kernel launch from Python on a GPU), compiled calls (each one graph "
+             "launch, a CUDA graph replay on a GPU) and the median step "
              "time with a 4-layer, 64-wide target (`drafttrain/bench/overhead.py`).", "",
-             "| drafter | host syncs / step | eager ops / step | step ms (median) |", "|---|---|---|---|"]
+             "| drafter | host syncs / step | eager ops / step | compiled calls / step | step ms (median) |",
+             "|---|---|---|---|---|"]
     for r in o["rows"]:
         lines.append(f"| {r['drafter']} | {_f(r['syncs_per_step'], 2)} | {_f(r['eager_ops_per_step'], 1)} | "
-                     f"{_f(r['step_ms'], 2)} |")
+                     f"{_f(r.get('compiled_calls_per_step'), 1)} | {_f(r['step_ms'], 2)} |")
     return lines
+
+
+def capture_lines(c: dict | None) -> list[str]:
+    """On CUDA, what CUDA graph trees did over the run's own compiled steps (`bench.capture`); off
+    CUDA (nothing captured, both null) nothing."""
+    if not c or c.get("cuda_graphs") is None:
+        return []
+    return [f"CUDA graph capture (drafttrain's compiled steps; transformers' own not counted): "
+            f"**{c['cuda_graphs']}** CUDA graphs recorded, cudagraph_skips **{c['cudagraph_skips']}** "
+            "(0: every compiled step ran as a CUDA graph).", ""]
 
 
 def render_markdown(b: dict) -> str:
@@ -65,6 +77,7 @@ def render_markdown(b: dict) -> str:
     lines += ["", "Our engines: decode steps only (each ends with its host sync). transformers: (N − 1) / "
               "(t(N) − t(1)) over `generate` calls of N and 1 new tokens, which also leaves prefill out. "
               "Compile/capture time is never part of tok/s.", ""]
+    lines += capture_lines(b.get("capture"))
     if b["outputs"]:
         lines += [f"Greedy outputs of every engine equal the `{b['outputs']['reference']}` outputs: "
                   f"{_f(b['outputs']['all_equal'])} ({b['outputs']['detail']}).", ""]

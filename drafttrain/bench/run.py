@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 
 from ..decoding import StaticLM, cached_lm, resolve_engine, static_support
+from ..decoding.engines.compiled import capture_counts, compile_counts
 from ..errors import UserError
 from ..evaluation.metrics import expected_tokens_per_step
 from ..evaluation.summary import environment
@@ -26,6 +27,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     from ..models import resolve_device, resolve_dtype
 
     cfg.validate()
+    counts = compile_counts()  # torch's counters are process-wide: this run's captures are those after
     out = check_output_dir(cfg.out)
     if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
         raise UserError(f"--out {cfg.out} exists and is not empty; pass --overwrite to replace it or choose another")
@@ -66,6 +68,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         plain[f"drafttrain {eng}"] = result
         outputs[eng] = [g.tokens for g in gens]
     if cfg.hf_generate:
+        before = compile_counts()
         log("bench: transformers generate, dynamic cache")
         plain["transformers dynamic cache"] = measure.hf_generate_rate(model, prompts, cfg.max_new_tokens, cfg.repeats)
         if device.type == "cuda":
@@ -81,6 +84,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         else:
             plain["transformers static cache + compile"] = {
                 "skipped": "transformers compiles static-cache generate on CUDA only"}
+        after = compile_counts()  # transformers' own graphs are not ours to count
+        counts = {k: v + after[k] - before[k] for k, v in counts.items()}
     for r in plain.values():
         if "tokens_per_s" in r:
             r["fraction_of_roofline"] = r["tokens_per_s"]["median"] / roofline
@@ -132,6 +137,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                     "compile_seconds": forward_compile},
         "oracle": {"engine": engine, "k": k, "rows": oracle_rows},
         "compile_seconds": {eng: lm_.compile_seconds for eng, lm_ in lms.items()},
+        "capture": capture_counts(device, since=counts),
         "step_overhead": None,
         "notes": notes,
     }
@@ -143,6 +149,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                  out, cfg.overwrite)
     log("bench: step overhead by drafter kind, tiny models")
     bench["step_overhead"] = {"k": k, "rows": step_overheads(device, dtype, k, cfg.seed)}
+    bench["capture"] = capture_counts(device, since=counts)  # the tiny models' graphs too
     return write_report(bench, out, overwrite=True)  # this run's own report, replaced by its complete one
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .loop import Decoder, Step, top2_margins
+from .loop import Decoder, Step
+from .verify import GreedyVerdict
 
 
 class Proposer:
@@ -45,6 +46,16 @@ class Proposer:
     def commit(self, n_accepted: int, emitted: list[int], hidden: torch.Tensor | None = None) -> None:
         pass
 
+    def keep(self, n_accepted: int, emitted: list[int], verdict: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """After a verification: `commit`, with the hidden states of the kept positions if the
+        proposer reads any. `verdict` (on the device: [n, emitted..., padding], see
+        `verify.verify_greedy`) and `hidden` (every verified row, padding included) are there
+        for a proposer that runs its commit and its next drafts in one graph driven by them."""
+        if self.hidden_layers:
+            self.commit(n_accepted, emitted, hidden=hidden[:n_accepted + 1])
+        else:
+            self.commit(n_accepted, emitted)
+
     def warmup(self) -> float:
         """Compile/capture whatever the proposer runs; returns the seconds spent."""
         return 0.0
@@ -72,6 +83,9 @@ class ChainDecoder(Decoder):
                          generator=generator, record_margins=record_margins, rule=rule)
         self.proposer = proposer
         self.k = 0 if isinstance(proposer, NoProposer) else num_draft_tokens
+        # greedy: the verdict runs inside the target's verification graph; sampling draws from a
+        # generator, so its rule runs after the forward
+        self.verdict = GreedyVerdict(margins=record_margins) if self.rule.greedy else None
 
     @property
     def num_draft_tokens(self) -> int:
@@ -90,7 +104,7 @@ class ChainDecoder(Decoder):
         return self.proposer.forwards
 
     def warmup(self) -> float:
-        seconds = super().warmup()
+        seconds = self.target.warmup(self.step_sizes(), hidden_layers=self.hidden_layers, verdict=self.verdict)
         warm = getattr(self.proposer, "warmup", None)
         return seconds + (warm() if warm else 0.0)
 
@@ -105,18 +119,18 @@ class ChainDecoder(Decoder):
         k = min(self.k, budget - 1)
         draft, q = self.proposer.propose(k, self.sequence)
         m = draft.numel()
-        logits, hidden = self.target.forward(torch.cat([self.pending, draft]), hidden_layers=self.hidden_layers)
-        tokens = verdict = self.rule.chain(draft, q, logits)
-        if self.record_margins:
-            verdict = torch.cat([tokens.double(), top2_margins(logits)])
+        tokens = torch.cat([self.pending, draft])
+        if self.verdict is not None:
+            verdict, hidden = self.target.verify(tokens, self.verdict, hidden_layers=self.hidden_layers)
+        else:
+            logits, hidden = self.target.forward(tokens, hidden_layers=self.hidden_layers)
+            verdict = self.rule.chain(draft, q, logits)
         values = verdict.tolist()  # the one host sync of the step
         n = int(values[0])
         emitted = [int(t) for t in values[1:n + 2]]
+        width = (len(values) - 1) // 2  # the verified rows (padding included) when margins follow
         self.target.rollback(self.target.length - (m - n))
-        if self.hidden_layers:
-            self.proposer.commit(n, emitted, hidden=hidden[:n + 1])
-        else:
-            self.proposer.commit(n, emitted)
-        self.pending = tokens[n + 1:n + 2]  # stays on the device
-        margins = values[m + 2:m + 2 + n + 1] if self.record_margins else None
+        self.proposer.keep(n, emitted, verdict, hidden)
+        self.pending = verdict[n + 1:n + 2].long() if self.record_margins else verdict[n + 1:n + 2]  # on the device
+        margins = values[1 + width:1 + width + n + 1] if self.record_margins else None
         return Step(accepted=emitted[:-1], bonus=emitted[-1], proposed=m, margins=margins)

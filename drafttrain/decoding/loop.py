@@ -22,7 +22,7 @@ import torch
 
 from ..tokens import cut_at_eos
 from .engines import CachedLM, as_cached_lm, device_tensor, synchronize
-from .verify import Greedy, Sampled, acceptance_rule
+from .verify import Greedy, Sampled, acceptance_rule, top2_margins
 
 
 @dataclass
@@ -157,7 +157,4 @@ class Decoder:
         return out
 
 
-def top2_margins(logits: torch.Tensor) -> torch.Tensor:
-    """Top-1 minus top-2 logit per row, in float64 (token ids stay exact next to them)."""
-    top2 = logits.topk(2, dim=-1).values.double()
-    return top2[:, 0] - top2[:, 1]
+__all__ = ["Decoder", "Generation", "Step", "counted_proposals", "top2_margins"]

@@ -41,14 +41,19 @@ def timed(fn, repeats: int, device, after=None) -> float:
 
 
 def forward_curve(lm: CachedLM, prompt: list[int], sizes: int | list[int], repeats: int = 7,
-                  tree: bool = False) -> list[list[float]]:
+                  tree: bool = False, hidden_layers: tuple[int, ...] = ()) -> list[list[float]]:
     """Seconds of cached forwards of 1 .. `sizes` tokens (or of each size listed) after
     prompt[:-1]: `repeats` rounds, the sizes interleaved within each round, so a machine slowing
     down mid-measurement hits every size alike. One list of repeat timings per size (after one
     warm-up round). `tree`: the tokens are verified as a tree (one level under the first: a
-    branching tree's mask and positions cost what any tree of that size does), not a chain."""
+    branching tree's mask and positions cost what any tree of that size does), not a chain.
+    `hidden_layers`: the target layers the forwards also return, as a decoder whose drafter reads
+    them (EAGLE-3's aux layers, Medusa's last) verifies: the static engine compiles one graph per
+    (size, hidden layers), so those are the ones registered, warmed and timed here (a plain
+    size's graph would be another step, and one never registered runs uncompiled)."""
     sizes = list(range(1, sizes + 1)) if isinstance(sizes, int) else list(sizes)
-    lm.warmup(sizes)
+    hidden_layers = tuple(hidden_layers)
+    lm.warmup(sizes, hidden_layers=hidden_layers)
     lm.reset()
     lm.forward(device_tensor(prompt[:-1], lm.device))
     steps = [device_tensor((prompt[-1:] * n)[:n], lm.device) for n in sizes]
@@ -58,7 +63,7 @@ def forward_curve(lm: CachedLM, prompt: list[int], sizes: int | list[int], repea
         for i, (step, shape) in enumerate(zip(steps, trees)):
             synchronize(lm.device)
             start = time.perf_counter()
-            lm.forward(step, tree=shape) if shape is not None else lm.forward(step)
+            lm.forward(step, tree=shape, hidden_layers=hidden_layers)
             synchronize(lm.device)
             if round_:
                 times[i].append(time.perf_counter() - start)

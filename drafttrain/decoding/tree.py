@@ -10,11 +10,30 @@ told the accepted path and handed the target's hidden states along it, if it ask
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from ..planning import TreeStep
 from ..trees import Tree
-from .loop import Decoder, Step, top2_margins
+from .loop import Decoder, Step
+from .verify import GreedyVerdict, top2_margins
+
+
+@dataclass
+class Verified:
+    """What one tree verification decided: on the host (after the step's one sync) the accepted
+    path's nodes, its draft tokens and the bonus token; on the device the path padded by repeating
+    its last node (`path`, [max_depth + 1]), the target's argmax at every verified row and the
+    target's hidden states there (None if the drafter reads none)."""
+
+    past: int                     # the target's cache length before the verification
+    nodes: list[int]
+    accepted: list[int]
+    bonus: int
+    path: torch.Tensor
+    argmax: torch.Tensor
+    hidden: torch.Tensor | None
 
 
 class TreeDrafter:
@@ -42,6 +61,15 @@ class TreeDrafter:
         """The accepted path (node indices, root first), its draft tokens, the bonus token, and the
         target's hidden states at the path's nodes ([len(nodes), D])."""
 
+    def keep(self, target, verified: Verified) -> None:
+        """After a verification: the target's cache keeps the accepted path (`CachedLM.compact`)
+        and the drafter is told it (`commit`, with the target's hidden states along it). A drafter
+        that runs both, and its next draft, in one graph of its own overrides this."""
+        target.compact(verified.past, verified.nodes, path=verified.path)
+        hidden = verified.hidden
+        kept = hidden.index_select(0, verified.path)[:len(verified.nodes)] if hidden is not None else None
+        self.commit(verified.nodes, verified.accepted, verified.bonus, hidden=kept)
+
     def warmup(self) -> float:
         return 0.0
 
@@ -60,6 +88,7 @@ class TreeDecoder(Decoder):
                  record_margins: bool = False, rule=None):
         super().__init__(target, eos_token_ids=eos_token_ids, record_margins=record_margins, rule=rule)
         self.drafter = drafter
+        self.verdict = GreedyVerdict(tree=True, margins=record_margins)  # computed in the verification graph
         self.recorded: list[TreeStep] | None = None  # a list: every step's candidates are recorded there
 
     def record(self, accepted: list[int], bonus: int) -> None:
@@ -96,32 +125,45 @@ class TreeDecoder(Decoder):
 
     def warmup(self) -> float:
         seconds = self.target.warmup(self.step_sizes(), hidden_layers=self.hidden_layers,
-                                     keep_width=self.drafter.max_depth + 1)
+                                     keep_width=self.drafter.max_depth + 1, verdict=self.verdict,
+                                     tree_depth=self.drafter.max_depth)
         return seconds + self.drafter.warmup()
 
     def _start(self, prompt, hidden):
         self.drafter.reset(prompt, hidden)
+
+    def verify(self, tokens: torch.Tensor, tree: Tree, depth: int):
+        """(verdict, hidden): in the target's verification graph, unless the token budget cuts
+        this step shallower than the tree (the verdict then stops at `depth`). A tree cut shallower
+        by its drafter is verified as the full depth's (its path padded further), one graph."""
+        if depth >= tree.max_depth:
+            full = tree if tree.max_depth == self.drafter.max_depth else replace(tree, max_depth=self.drafter.max_depth)
+            return self.target.verify(tokens, self.verdict, tree=full, hidden_layers=self.hidden_layers)
+        logits, hidden = self.target.forward(tokens, tree=tree, hidden_layers=self.hidden_layers)
+        verdict = self.rule.tree(logits, tokens, tree, depth)
+        return (torch.cat([verdict.double(), top2_margins(logits)]) if self.record_margins else verdict), hidden
 
     def _step(self, budget: int) -> Step:
         # At most `depth` drafts + 1 target token per step: never draft past the budget.
         depth = min(self.drafter.max_depth, budget - 1)
         tokens, tree = self.drafter.draft(self.pending, depth)
         past = self.target.length
-        logits, hidden = self.target.forward(tokens, tree=tree, hidden_layers=self.hidden_layers)
-        verdict = self.rule.tree(logits, tokens, tree, depth)
-        width = tree.max_depth + 1  # the path's entries in the verdict
-        values = (torch.cat([verdict.double(), top2_margins(logits)]) if self.record_margins else verdict).tolist()
-        best = int(values[0])  # the one host sync of the step is above
+        verdict, hidden = self.verify(tokens, tree, depth)
+        width = (self.drafter.max_depth if depth >= tree.max_depth else tree.max_depth) + 1  # the verdict's path
+        values = verdict.tolist()  # the one host sync of the step
+        best = int(values[0])
         nodes = [int(n) for n in values[1:1 + width]]
         nodes = nodes[:nodes.index(best) + 1]
-        argmax = values[1 + width:1 + width + tokens.numel()]
+        rows = (len(values) - 1 - width) // (2 if self.record_margins else 1)  # verified rows, padding included
+        argmax = values[1 + width:1 + width + rows]
         path = verdict[1:1 + width]  # on the device, padded: fixed-size gathers below
-        self.target.compact(past, nodes, path=path)
-        kept = hidden.index_select(0, path)[:len(nodes)] if hidden is not None else None
+        argmax_rows = verdict[1 + width:1 + width + rows]
+        if self.record_margins:
+            path, argmax_rows = path.long(), argmax_rows.long()
         accepted = [int(argmax[p]) for p in nodes[:-1]]
         if self.recorded is not None:
             self.record(accepted, int(argmax[best]))
-        self.drafter.commit(nodes, accepted, int(argmax[best]), hidden=kept)
-        self.pending = verdict[1 + width + best:2 + width + best]  # stays on the device
-        margins = [values[1 + width + tokens.numel() + p] for p in nodes] if self.record_margins else None
+        self.drafter.keep(self.target, Verified(past, nodes, accepted, int(argmax[best]), path, argmax_rows, hidden))
+        self.pending = argmax_rows[best:best + 1]  # stays on the device
+        margins = [values[1 + width + rows + p] for p in nodes] if self.record_margins else None
         return Step(accepted=accepted, bonus=int(argmax[best]), proposed=min(tree.max_depth, depth), margins=margins)

@@ -6,6 +6,8 @@ once per step, not once per token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..trees import Tree, path_nodes
@@ -104,6 +106,35 @@ def greedy_tree_verdict(target_argmax: torch.Tensor, candidate_tokens: torch.Ten
     score = torch.where(accepted, tree.depths * n + (n - 1 - order), -1)
     best = score.argmax()
     return torch.cat([best.view(1), path_nodes(tree, best), target_argmax])
+
+
+def top2_margins(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit per row, in float64 (token ids stay exact next to them)."""
+    top2 = logits.topk(2, dim=-1).values.double()
+    return top2[:, 0] - top2[:, 1]
+
+
+@dataclass(frozen=True)
+class GreedyVerdict:
+    """The greedy verdict as the target's verification graph computes it, after the logits and in
+    the same graph (`CachedLM.verify`): so the argmax, the comparison and the accepted path cost
+    no launches of their own. Frozen: one compiled graph per verdict kind.
+
+    `tokens` [W] are the verified tokens (pending first); a static engine pads them to its step
+    size with -1, which equals no argmax, so padding is never accepted. A chain gives
+    `verify_greedy`'s [n, t_1 .. t_W], a tree `greedy_tree_verdict`'s [best, path, argmax]; with
+    `margins`, the target's top-1 minus top-2 logit of every row follows, and the tokens are in
+    float64 (exact below 2^53)."""
+
+    tree: bool = False
+    margins: bool = False
+
+    def __call__(self, logits: torch.Tensor, tokens: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
+        if self.tree:
+            verdict = greedy_tree_verdict(logits.argmax(dim=-1), tokens, tree)
+        else:
+            verdict = verify_greedy(tokens[1:], logits)
+        return torch.cat([verdict.double(), top2_margins(logits)]) if self.margins else verdict
 
 
 class Greedy:

@@ -13,6 +13,12 @@ step's candidates (what any smaller tree would have accepted is read off them), 
 target's verification of n tree nodes and whole steps of each (top-k, depth), and plan. A cost
 curve that looks like a busy machine is one `warning:` line and a note in the report: a plan
 made from noise is said to be one.
+
+Everything timed is warmed up first as the run will be: a whole step through its decoder's own
+`warmup()`, a forward through the engine's with the sizes AND the hidden layers the decoder
+verifies with (`verified_layers`). The static engine compiles one graph per (size, hidden layers):
+a step it was never warmed for runs uncompiled, or compiles while it is timed, and would be
+priced against compiled ones.
 """
 
 from __future__ import annotations
@@ -174,9 +180,12 @@ def cost_probes(prompts: list[EncodedPrompt], max_new_tokens: int) -> list[list[
 
 
 def loop_overhead(models: LoadedModels, ids: list[int], single: float, tokens: int = 12) -> float:
-    """Seconds a plain decoding step spends beyond its forward (sampling, bookkeeping, the sync)."""
+    """Seconds a plain decoding step spends beyond its forward (sampling, bookkeeping, the sync),
+    `single`: a plain one-token forward. The plain decoder is warmed up first (`warmup`: its
+    verification is a graph of its own, which the forwards' warm-up does not compile)."""
     settings = DecodeSettings(num_draft_tokens=1)
     decoder = build_decoder(models.target_lm or models.target, target_alone(), settings)
+    decoder.warmup()
     gen = decoder.generate(ids, tokens)
     return max(0.0, median(gen.step_seconds) - single) if gen.step_seconds else 0.0
 
@@ -226,12 +235,25 @@ def draft_forwards(cfg: EvalConfig, models: LoadedModels, acceptance: Acceptance
     return kind.draft_forwards(models.drafter, max_k, acceptance.per_position) if kind.draft_forwards else None
 
 
+def verified_layers(cfg: EvalConfig, models: LoadedModels, settings: DecodeSettings) -> tuple[int, ...]:
+    """The target hidden layers this drafter's decoder verifies with (`Decoder.hidden_layers`:
+    EAGLE-3's aux layers, Medusa's last; none for the rest): its verification is that graph, not
+    the plain forward's, so its costs are timed with them."""
+    return tuple(build_decoder(models.target_lm or models.target, models.drafter, settings).hidden_layers)
+
+
 def chain_round(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance, max_k: int):
     """One round of a chain plan's costs at the end of `ids`: the target's forwards of 1 .. n tokens
     (timings by size), the drafter's share of a step drafting 0 .. max_k, its noise, and a plain
-    step's overhead beyond its forward."""
+    step's overhead beyond its forward. The forwards of 2 .. n tokens are the decoder's
+    verifications, with its drafter's hidden layers; one token is what K = 0 runs, the target
+    alone, which reads none (so a plain step costs verify[0] plus the overhead, as measured)."""
     target_lm = models.target_lm or as_cached_lm(models.target)
-    verify = forward_curve(target_lm, ids, max_k + 1 + (max_k if cfg.hybrid else 0), repeats=ROUND_REPEATS)
+    layers = verified_layers(cfg, models, cfg.decode_settings(k=max_k, nodes=cfg.max_tree_nodes))
+    verify = forward_curve(target_lm, ids, max_k + 1 + (max_k if cfg.hybrid else 0), repeats=ROUND_REPEATS,
+                           hidden_layers=layers)
+    if layers:  # K = 0 decodes with the target alone: a plain one-token forward
+        verify[0] = forward_curve(target_lm, ids, [1], repeats=ROUND_REPEATS)[0]
     draft, noise = drafter_seconds(cfg, models, ids, acceptance, max_k)
     return verify, draft, noise, loop_overhead(models, ids, median(verify[0]))
 
@@ -344,11 +366,14 @@ def recorded_trees(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedP
 def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], depth: int, nodes: int,
                       topk: int) -> tuple[int, float]:
     """(the model's tree nodes, median seconds) of a whole decoding step (draft, verification,
-    bookkeeping) with this tree on the probe prompt; K = 0 is a plain step."""
+    bookkeeping) with this tree on the probe prompt; K = 0 is a plain step. Warmed up by the
+    decoder's own `warmup` (every graph its steps run: the target's for its tree size and hidden
+    layers, the drafter's), then by a short decode (caches, allocator), as a run warms up."""
     settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
     decoder = build_decoder(models.target_lm or models.target, models.drafter if depth else target_alone(),
                             settings if depth else settings.alone())
-    decoder.generate(ids, 4)  # warm
+    decoder.warmup()
+    decoder.generate(ids, 4)
     seconds = []
     for _ in range(2):
         seconds += decoder.generate(ids, STEP_PROBE_TOKENS).step_seconds
@@ -359,12 +384,14 @@ def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], dep
 
 def trusted_tree_costs(cfg: EvalConfig, models: LoadedModels, ids: list[int], measured: dict,
                        sizes: list[int]) -> tuple[TreeCosts, list[str]]:
-    """The target's tree verification and a plain step, measured again (up to `COST_ATTEMPTS`
-    times) while a plain step's overhead beyond its forward is impossible (`planning.implausible`);
-    and its reasons where it stayed so."""
+    """The target's tree verification (with the hidden layers the tree decoder verifies with) and
+    a plain step, measured again (up to `COST_ATTEMPTS` times) while a plain step's overhead
+    beyond its forward is impossible (`planning.implausible`); and its reasons where it stayed so."""
     target_lm = models.target_lm or as_cached_lm(models.target)
+    depths, nodes, topks, _ = tree_settings(cfg, models)
+    layers = verified_layers(cfg, models, cfg.decode_settings(k=max(depths), nodes=max(nodes), topk=max(topks)))
     for _ in range(COST_ATTEMPTS):
-        verify = forward_curve(target_lm, ids, sizes, tree=True)
+        verify = forward_curve(target_lm, ids, sizes, tree=True, hidden_layers=layers)
         plain = tree_step_seconds(cfg, models, ids, 0, 1, 1)[1]
         single = median(verify[0])
         doubts = implausible(Costs((single,), (0.0,), max(0.0, plain - single)))

@@ -252,9 +252,13 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
         f"on {env.get('device')} (torch {env.get('torch')}, transformers {env.get('transformers')}).",
     ]
     if engine:
+        capture = ""
+        if engine.get("cuda_graphs") is not None:  # on CUDA: capture proven (every step a graph, no skip)
+            capture = (f"; {engine['cuda_graphs']} CUDA graphs recorded, cudagraph_skips "
+                       f"{engine.get('cudagraph_skips')}")
         lines += ["", f"Engine: {engine.get('used')} (requested {engine.get('requested')}); compile/capture "
-                      f"{_fmt(engine.get('compile_seconds'), 1)} s (compile cache: {engine.get('compile_cache', 'off')}), "
-                      "not counted in tokens/s."]
+                      f"{_fmt(engine.get('compile_seconds'), 1)} s (compile cache: {engine.get('compile_cache', 'off')}"
+                      f"{capture}), not counted in tokens/s."]
     lines += [
         "",
         "tau = mean accepted length = new tokens / target forward passes (plain decoding: 1.0). "

@@ -18,7 +18,7 @@ import torch
 
 from ..decoding import CachedLM, build_decoder
 from ..decoding.drafters import BY_NAME, flagged, target_alone
-from ..decoding.engines.compiled import compile_cache_state
+from ..decoding.engines.compiled import capture_counts, compile_cache_state, compile_counts
 from ..errors import UserError
 from ..models import context_length
 from ..prompts import encode_prompts, read_prompts, require_unique_ids
@@ -125,6 +125,7 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     factory = decoder_factory or make_decoder
     first = cfgs[0]
     check_inputs(cfgs)
+    counts = compile_counts()  # torch's counters are process-wide: this run's compiles are those after
     if models is None:
         models = [load_models(first)]
         for cfg in cfgs[1:]:
@@ -186,7 +187,8 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     lms = {id(lm): lm for m in models for lm in (m.target_lm, m.drafter.model) if hasattr(lm, "compile_seconds")}
     compile_seconds = sum(lm.compile_seconds for lm in lms.values())
     engine = {"requested": first.engine, "used": engine_used, "compile_seconds": compile_seconds,
-              "compile_cache": compile_cache_state(compile_seconds), "warmup_seconds": warmup_seconds}
+              "compile_cache": compile_cache_state(compile_seconds, since=counts), "warmup_seconds": warmup_seconds,
+              **capture_counts(loaded.device, since=counts)}
     drafts = {m.drafter.model.engine for m in models if isinstance(m.drafter.model, CachedLM)}
     if drafts - {engine_used}:
         engine["draft_engines"] = sorted(drafts)

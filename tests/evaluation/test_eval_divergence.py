@@ -16,6 +16,7 @@ from tiny import save_pair, tiny_lm, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 import drafttrain.evaluation.run as run_module
+from drafttrain.decoding.engines import CachedLM
 from drafttrain.evaluation.metrics import NEAR_TIE_TOLERANCE
 
 MAX_NEW = 24
@@ -35,6 +36,8 @@ class FlippingLM:
     """The target's cached LM, but its multi-token (verification) forwards swap the top two
     logits wherever they are closer than `below`. The run's LM is shared by every decoder, so
     the speculative decoder gets this wrapper and the baseline keeps the real thing."""
+
+    verify = CachedLM.verify  # the reference verification: this forward, then the verdict
 
     def __init__(self, lm, below):
         self.lm, self.below = lm, below

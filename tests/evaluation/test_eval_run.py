@@ -407,7 +407,38 @@ def test_greedy_engine_and_drafter_name(greedy_run):
     assert report["config"]["engine"] == "eager"  # SPEC §2 rev 2: the engine used
     assert report["engine"]["requested"] == "auto" and report["engine"]["used"] == "eager"
     assert report["engine"]["compile_seconds"] == 0.0
+    assert report["engine"]["cudagraph_skips"] is None and report["engine"]["cuda_graphs"] is None  # not on CUDA
     assert report["drafter"] == "draft"  # the draft directory's name
+
+
+def test_the_engine_block_reports_this_runs_cuda_graph_captures(models, prompt_files, tmp_path, monkeypatch):
+    """Issue 36: on CUDA the engine block says how many CUDA graphs the run recorded and how many
+    compiled graphs skipped capture, read from torch's counters (here set by hand, the run made to
+    read them as on CUDA), counted from the run's own start, and report.md names them."""
+    from collections import Counter
+
+    from torch._dynamo.utils import counters
+
+    from drafttrain.decoding.engines import compiled
+    from drafttrain.evaluation import run as eval_run
+
+    monkeypatch.setitem(counters, "inductor", Counter(cudagraph_skips=5))  # an earlier run's, not this one's
+    monkeypatch.setitem(counters, "drafttrain", Counter(cuda_graphs=7))
+    monkeypatch.setattr(eval_run, "capture_counts", lambda device, since=None: compiled.capture_counts("cuda", since))
+    real = eval_run.timed_generate
+
+    def recording(*args, **kwargs):  # each generation "records" a graph; one skips capture
+        counters["drafttrain"]["cuda_graphs"] += 1
+        counters["inductor"]["cudagraph_skips"] = 6
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eval_run, "timed_generate", recording)
+    out, report, _ = run_ok(["eval", "--target", models["target"], "--method", "ngram", *prompts_argv(prompt_files),
+                             "--num-draft-tokens", str(K), "--max-new-tokens", "4", "--dtype", "float64",
+                             "--out", str(tmp_path / "out"), "--quiet"])
+    generations = 2 * len(IDS)  # the target alone and the drafter, each prompt
+    assert report["engine"]["cudagraph_skips"] == 1 and report["engine"]["cuda_graphs"] == generations
+    assert f"{generations} CUDA graphs recorded, cudagraph_skips 1" in (out / "report.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------

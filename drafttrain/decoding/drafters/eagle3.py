@@ -44,16 +44,18 @@ class Eagle3Proposer(Proposer):
     name = "eagle3"
 
     def __init__(self, draft: Eagle3Draft | CachedEagle3Draft, device, rule: Greedy | Sampled | None = None,
-                 max_k: int = 1):
+                 max_k: int = 1, target_lm=None):
         """`draft`: an Eagle3Draft (eager engine) or a `CachedEagle3Draft`; `rule`: the decoder's
         acceptance rule (None: greedy); `max_k`: the K of the decoder (greedy chains are drafted K
         long, one shape, and cut)."""
         self.cached = as_cached_draft(draft)
         self.max_k = max_k
+        self.target_lm = target_lm  # a static target: its steps after a verification are warmed up with it
         self.hidden_layers = self.cached.hidden_layers
         self.rule = rule or Greedy()
         self.device = torch.device(device)
         self.empty = torch.empty(0, dtype=torch.long, device=self.device)
+        self._next: torch.Tensor | None = None  # the next step's drafts, made by `keep`
 
     @property
     def forwards(self) -> int:
@@ -61,15 +63,36 @@ class Eagle3Proposer(Proposer):
 
     def reset(self, prompt, hidden=None):
         self.cached.reset(prompt, hidden)
+        self._next = None
+        if self._fused and self.cached.last is not None:  # the first chain, drafted with the prefill
+            self._next = self._greedy_chain()
+
+    def _greedy_chain(self) -> torch.Tensor:
+        """K drafts in one go (one compiled step on the static engine)."""
+        self.cached.forwards += self.max_k - 1  # the draft layer ran for every draft after the first
+        return self.cached.greedy_chain(self.cached.last, self.max_k)
+
+    @property
+    def _fused(self) -> bool:
+        """Greedy on the static engine: `keep` feeds and drafts the next chain in one graph."""
+        return self.rule.greedy and self.cached._padded()
+
+    def keep(self, n_accepted, emitted, verdict, hidden):
+        width = self.cached.feed_width
+        if not (self._fused and hidden is not None and hidden.shape[0] == width and verdict.shape[0] == 1 + width):
+            return super().keep(n_accepted, emitted, verdict, hidden)  # a step the token budget cut short
+        self._next = self.cached.keep_chain(verdict, hidden, self.cached.committed + n_accepted + 1, self.max_k)
 
     def propose(self, k, sequence):
         cached = self.cached
         last = cached.last
         if last is None or k == 0:  # a one-token prompt: no feature to draft from yet
             return self.empty, None
-        if self.rule.greedy:  # K drafts in one go (one compiled step on the static engine), cut to k
-            cached.forwards += self.max_k - 1  # the draft layer ran for every draft after the first
-            return cached.greedy_chain(last, self.max_k)[:k], None
+        if self._next is not None:  # drafted by the last step's `keep`
+            drafts, self._next = self._next, None
+            return drafts[:k], None
+        if self.rule.greedy:  # K drafts, cut to k
+            return self._greedy_chain()[:k], None
         rule = self.rule
         logits, hidden = last.logits[:, -1:], last.hidden[:, -1:]
         tokens, dists = [], []
@@ -90,7 +113,7 @@ class Eagle3Proposer(Proposer):
 
     def warmup(self) -> float:
         if self.rule.greedy:
-            return self.cached.warmup(chain=self.max_k)
+            return self.cached.warmup(chain=self.max_k, target_lm=self.target_lm)
         return self.cached.warmup(levels=[(1, 1)])  # every sampled drafting step is one token
 
 
@@ -103,8 +126,10 @@ class Eagle3TreeDrafter(TreeDrafter):
     name = "eagle3"
 
     def __init__(self, draft: Eagle3Draft | CachedEagle3Draft, device, *, paths: list[Path] | None = None,
-                 depth: int = 4, topk: int = DYNAMIC_TREE_TOPK, nodes: int = DYNAMIC_TREE_NODES):
+                 depth: int = 4, topk: int = DYNAMIC_TREE_TOPK, nodes: int = DYNAMIC_TREE_NODES, target_lm=None):
+        """`target_lm`: a static target, whose cache the step after a verification compacts (warmed up with it)."""
         self.cached = as_cached_draft(draft)
+        self.target_lm = target_lm
         self.hidden_layers = self.cached.hidden_layers
         self.device = torch.device(device)
         if paths is not None:
@@ -122,6 +147,7 @@ class Eagle3TreeDrafter(TreeDrafter):
             self.max_depth, self.topk = min(depth, nodes - 1), topk
             self.max_nodes = min(nodes, candidate_count(self.max_depth, topk))
         self._ranked = None  # the last draft's candidates, for `candidates`
+        self._next: DynamicTree | None = None  # the next step's tree, grown by `keep` (or `reset`)
         self._root_only = tree_from_parents([-1], self.device)  # built once: no copy in a step
 
     @property
@@ -130,9 +156,26 @@ class Eagle3TreeDrafter(TreeDrafter):
 
     def reset(self, prompt, hidden=None):
         self.cached.reset(prompt, hidden)
+        self._next = None
+        if self._fused and self.cached.last is not None:  # the first tree, grown with the prefill
+            self._next = self._grow(device_tensor(prompt[-1:], self.device))
 
     def commit(self, nodes, accepted, bonus, hidden=None):
         self.cached.commit(hidden, list(accepted) + [bonus])
+
+    @property
+    def _fused(self) -> bool:
+        """A dynamic tree on the static engine: `keep` runs in one graph with the next tree."""
+        return self.buffers is None and self.cached._padded()
+
+    def keep(self, target, verified):
+        """On the static engine (dynamic trees), the target's compaction, the draft's feed and
+        the next tree are one compiled call driven by the device verdict; else the default."""
+        if not (self._fused and isinstance(target, StaticLM) and verified.argmax.shape[0] == self.max_nodes):
+            return super().keep(target, verified)  # a root-only step, where the token budget ends
+        self._next = self.cached.keep_tree(target, verified.path, verified.argmax, verified.hidden, verified.past,
+                                           verified.past + len(verified.nodes), depth=self.max_depth,
+                                           topk=self.topk, nodes=self.max_nodes)
 
     def level_shapes(self) -> list[tuple[int, int]]:
         """(nodes expanded, tree entries so far) of each drafting forward of a static tree's
@@ -149,7 +192,8 @@ class Eagle3TreeDrafter(TreeDrafter):
     def warmup(self) -> float:
         if self.buffers is not None:  # a static tree's levels run as draft steps of these shapes
             return self.cached.warmup(levels=self.level_shapes())
-        return self.cached.warmup(tree=dict(depth=self.max_depth, topk=self.topk, nodes=self.max_nodes))
+        return self.cached.warmup(tree=dict(depth=self.max_depth, topk=self.topk, nodes=self.max_nodes),
+                                  target_lm=self.target_lm)
 
     def draft(self, root, depth):
         last = self.cached.last
@@ -161,12 +205,17 @@ class Eagle3TreeDrafter(TreeDrafter):
             return self._static(root, depth)
         return self._dynamic(root)
 
-    def _dynamic(self, root):
-        """EAGLE-2's tree, always grown `max_depth` deep (one shape, one graph): a step that may go
-        less deep is cut by the verdict (`greedy_tree_verdict(depth=...)`)."""
+    def _grow(self, root) -> DynamicTree:
         grown = self.cached.dynamic_tree(self.cached.last, root, depth=self.max_depth, topk=self.topk,
                                          nodes=self.max_nodes)
         self.cached.forwards += self.max_depth - 1
+        return grown
+
+    def _dynamic(self, root):
+        """EAGLE-2's tree, always grown `max_depth` deep (one shape, one graph): a step that may go
+        less deep is cut by the verdict (`greedy_tree_verdict(depth=...)`). Where the last step's
+        `keep` grew it already, below the same root (its bonus token), it is taken as it is."""
+        grown, self._next = (self._next, None) if self._next is not None else (self._grow(root), None)
         self._ranked = grown
         return grown.tokens, Tree(parent=grown.parent, depths=grown.depths, attention_mask=grown.mask,
                                   max_depth=self.max_depth)
@@ -250,15 +299,17 @@ def eagle3_decoder(target, draft: Eagle3Draft | CachedEagle3Draft, *, num_draft_
     default, or `verify.Sampled`: a sampled chain). `target`: a cached LM or an HF model."""
     lm = as_cached_lm(target)
     rule = rule or Greedy()
-    if isinstance(lm, StaticLM) and not isinstance(draft, CachedEagle3Draft):
+    static = lm if isinstance(lm, StaticLM) else None
+    if static is not None and not isinstance(draft, CachedEagle3Draft):
         draft = cached_draft_for(lm, draft, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
                                  tree_topk=tree_topk)
     if not rule.greedy or tree == "chain":
-        proposer = Eagle3Proposer(draft, lm.device, rule, max_k=num_draft_tokens)
+        proposer = Eagle3Proposer(draft, lm.device, rule, max_k=num_draft_tokens, target_lm=static)
         return ChainDecoder(lm, proposer, num_draft_tokens=num_draft_tokens, rule=rule, eos_token_ids=eos_token_ids,
                             record_margins=record_margins)
     if tree == "dynamic":
-        drafter = Eagle3TreeDrafter(draft, lm.device, depth=num_draft_tokens, topk=tree_topk, nodes=tree_nodes)
+        drafter = Eagle3TreeDrafter(draft, lm.device, depth=num_draft_tokens, topk=tree_topk, nodes=tree_nodes,
+                                    target_lm=static)
     else:
         drafter = Eagle3TreeDrafter(draft, lm.device, paths=[p for p in tree if len(p) <= num_draft_tokens])
     return TreeDecoder(lm, drafter, rule=rule, eos_token_ids=eos_token_ids, record_margins=record_margins)
@@ -271,7 +322,7 @@ def cached_draft_for(target_lm, draft: Eagle3Draft, *, num_draft_tokens: int, tr
     if not isinstance(target_lm, StaticLM):
         return CachedEagle3Draft(draft)
     extra = num_draft_tokens + 1 + max(tree_nodes, 0) + num_draft_tokens * max(tree_topk, 0)
-    return CachedEagle3Draft(draft, "static", capacity=target_lm.capacity + extra, feed_width=num_draft_tokens + 1,
+    return CachedEagle3Draft(draft, "static", capacity=target_lm.max_length + extra, feed_width=num_draft_tokens + 1,
                              compile=target_lm.compile if compile is None else compile)
 
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from ...eagle3.model import DraftStep, Eagle3Config, Eagle3Draft
 from ..engines import device_tensor, use_skinny_matmuls
-from ..engines.compiled import CompiledStep, step_state, timed_warmup
+from ..engines.static import move_entries
+from ..engines.compiled import CompiledStep, static_capacity, step_state, timed_warmup
 from .eagle3_tree import DynamicTree, grow_dynamic_tree
 
 
@@ -139,8 +140,9 @@ class CachedEagle3Draft:
 
     def __init__(self, draft: Eagle3Draft, engine: str = "eager", *, capacity: int | None = None,
                  compile: bool | None = None, feed_width: int = 0):
-        """`capacity` (static): the most entries the draft's cache holds: the target's cache
-        capacity plus the most one drafting pass adds. `compile` None: on for CUDA."""
+        """`capacity` (static): the entries the draft's cache must hold: the target's cache
+        capacity plus the most one drafting pass adds, rounded up as every static cache is
+        (`static_capacity`: the same graphs for other prompt sets). `compile` None: on for CUDA."""
         if engine not in ("eager", "static"):
             raise ValueError(f"unknown draft engine {engine!r}; use eager or static")
         self.draft = draft
@@ -150,7 +152,8 @@ class CachedEagle3Draft:
         if engine == "static":
             if not capacity or capacity < 1:
                 raise ValueError("the static draft engine needs a capacity")
-            self.cache = Eagle3StaticCache(draft.config, capacity, device=self.device, dtype=draft.fc.weight.dtype)
+            self.cache = Eagle3StaticCache(draft.config, static_capacity(capacity), device=self.device,
+                                           dtype=draft.fc.weight.dtype)
         else:
             self.cache = Eagle3KVCache()
         self.compile = engine == "static" and (self.device.type == "cuda" if compile is None else bool(compile))
@@ -162,6 +165,7 @@ class CachedEagle3Draft:
         self.forwards = 0   # draft-layer forwards: feeds of the target's features and drafting steps
         self._compiled: dict[str, CompiledStep] = {}
         self._one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        self._positions = torch.arange(self.cache.capacity if engine == "static" else 0, device=self.device)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -267,6 +271,37 @@ class CachedEagle3Draft:
                         functools.partial(tree_in_place, self.draft, self.cache, **shape))
         return grow(last.logits[0, -1:], last.hidden[0, -1:], root.view(1), self.meta)
 
+    def keep_tree(self, target_lm, path: torch.Tensor, argmax: torch.Tensor, hidden: torch.Tensor, past: int,
+                  kept: int, *, depth: int, topk: int, nodes: int) -> DynamicTree:
+        """The static engine's step after a tree verification (`keep_path_and_grow_tree`): one
+        call moves the target's accepted entries, feeds the draft and grows the next tree. Then the
+        host's bookkeeping: both caches hold the `kept` entries (past + the path's nodes)."""
+        self.cache.check_room(path.shape[0] + (depth - 1) * topk)
+        step = self._keep_tree_step(target_lm, depth=depth, topk=topk, nodes=nodes)
+        tree, logits, last_hidden = step(path, argmax, hidden, target_lm._slots[past])
+        self.last = DraftStep(logits, last_hidden)
+        self.forwards += depth  # the feed, then depth - 1 drafting levels
+        target_lm.rollback(kept)
+        self.cache.length = self.committed = kept
+        return tree
+
+    def keep_chain(self, verdict: torch.Tensor, hidden: torch.Tensor, kept: int, k: int) -> torch.Tensor:
+        """The static engine's step after a greedy chain verification (`keep_and_draft_chain`): one
+        call feeds the kept positions and drafts the next K. `kept`: the target's length now."""
+        self.cache.check_room(self.feed_width + k)
+        drafts, logits, last_hidden = self._keep_chain_step(k)(verdict, hidden, self._positions[self.committed])
+        self.last = DraftStep(logits, last_hidden)
+        self.forwards += k  # the feed, then k - 1 drafting steps
+        self.cache.length = self.committed = kept
+        return drafts
+
+    def _keep_tree_step(self, target_lm, **shape):
+        return self._fn("keep{depth},{topk},{nodes}".format(**shape),
+                        functools.partial(keep_path_and_grow_tree, self.draft, self.cache, target_lm.cache, **shape))
+
+    def _keep_chain_step(self, k: int):
+        return self._fn(f"keep_chain{k}", functools.partial(keep_and_draft_chain, self.draft, self.cache, k=k))
+
     def greedy_chain(self, last: DraftStep, k: int) -> torch.Tensor:
         """K greedy drafts [k] from the draft's output at the last committed entry: one compiled step
         on the static engine; the drafted entries are scratch past the committed ones."""
@@ -279,11 +314,13 @@ class CachedEagle3Draft:
         return chain(last.logits[0, -1:], last.hidden[0, -1:], self.meta)
 
     @torch.inference_mode()
-    def warmup(self, levels=(), tree: dict | None = None, chain: int = 0) -> float:
+    def warmup(self, levels=(), tree: dict | None = None, chain: int = 0, target_lm=None) -> float:
         """Compile and capture the steps a decoder will run (`timed_warmup`), so no timed step
         compiles: the feed, drafting steps of these (n new, m tree entries) shapes (a chain's is
         (1, 1)) and the dynamic tree of `tree` (depth, topk, nodes); `chain`: the K of greedy
-        chains. Counts no forward; leaves the cache empty."""
+        chains; with `target_lm` (static) the steps after a verification that grow the next tree
+        (`keep_tree`), or draft the next chain (`keep_chain`). Counts no forward; leaves the cache
+        empty."""
         if not self.compile:
             return 0.0
         H, dtype, width = self.draft.config.hidden_size, self.draft.fc.weight.dtype, self.feed_width
@@ -301,6 +338,14 @@ class CachedEagle3Draft:
                 self.dynamic_tree(last, zeros(1, dtype=torch.long), **tree)
             if chain and last is not None:
                 self.greedy_chain(last, chain)
+            if target_lm is not None and width:
+                features = zeros(width, 3 * H, dtype=target_lm.cache.keys[0].dtype)
+                if chain:
+                    self._keep_chain_step(chain)(zeros(1 + width, dtype=torch.long), features, self._positions[1])
+                if tree:
+                    rows = zeros(tree["nodes"], dtype=torch.long)
+                    self._keep_tree_step(target_lm, **tree)(rows[:tree["depth"] + 1], rows, features.new_zeros(
+                        tree["nodes"], 3 * H), target_lm._slots[1])
 
         return timed_warmup(self, [every_step])
 
@@ -318,6 +363,40 @@ def feed_in_place(draft: Eagle3Draft, cache: Eagle3StaticCache, features: torch.
                                          start, causal)
     last = (n - 1).view(1)
     return logits.index_select(1, last), hidden.index_select(1, last)
+
+
+def keep_path_and_grow_tree(draft: Eagle3Draft, cache: Eagle3StaticCache, target_cache, path: torch.Tensor,
+                            argmax: torch.Tensor, features: torch.Tensor, past: torch.Tensor, *, depth: int, topk: int,
+                            nodes: int) -> tuple[DynamicTree, torch.Tensor, torch.Tensor]:
+    """Everything after a tree verification but the host's read, as one fixed-shape step driven by
+    the device verdict: the target's cache keeps the accepted path (`move_entries`), the draft is fed
+    the path's features and the tokens after them (the target's argmax along it: the accepted drafts,
+    then the bonus), and the next tree is grown below the bonus token. `path` [P] is padded by
+    repeating its last node, `past` (0-d) is the target's length before the verification, which the
+    draft's committed entries equal. Returns (the next tree, the feed's last logits and hidden)."""
+    feed_width = path.shape[0]
+    n = (path != path[-1]).sum() + 1
+    order = torch.arange(feed_width, device=path.device)
+    move_entries(target_cache, past + path, past + order.clamp(max=n - 1))
+    tokens = argmax.index_select(0, path)
+    meta = torch.cat([tokens, past.view(1), n.view(1)])
+    logits, hidden = feed_in_place(draft, cache, features.index_select(0, path)[None], meta)
+    root = tokens[-1:]
+    tree = tree_in_place(draft, cache, logits[0], hidden[0], root, meta, depth=depth, topk=topk, nodes=nodes)
+    return tree, logits, hidden
+
+
+def keep_and_draft_chain(draft: Eagle3Draft, cache: Eagle3StaticCache, verdict: torch.Tensor, features: torch.Tensor,
+                         past: torch.Tensor, *, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Everything after a chain verification but the host's read, as one fixed-shape step driven by
+    the device verdict ([n, t_1 .. t_W], `verify.verify_greedy`): the draft is fed the target's
+    features of pending and the n accepted drafts with the tokens that follow them (t_1 .. t_n+1),
+    at the committed entries `past` (0-d), then drafts the next K greedily. Returns (the drafts,
+    the feed's last logits and hidden)."""
+    width = features.shape[0]
+    meta = torch.cat([verdict[1:1 + width], past.view(1), (verdict[0] + 1).view(1)])
+    logits, hidden = feed_in_place(draft, cache, features[None], meta)
+    return chain_in_place(draft, cache, logits[0], hidden[0], meta, k=k), logits, hidden
 
 
 def tree_in_place(draft: Eagle3Draft, cache: Eagle3StaticCache, logits, hidden, root, meta, *, depth: int,

@@ -6,7 +6,11 @@ the one right after `pending`, inside the verification pass). Both decoders belo
 for that state (`hidden_layers = (L,)`) in the passes they run anyway.
 
 Greedy (Medusa-1): `MedusaDrafter` fills a static candidate tree with the heads' top-k tokens and
-`TreeDecoder` verifies it in ONE target forward (see `decoding.tree`).
+`TreeDecoder` verifies it in ONE target forward (see `decoding.tree`). On the static engine with
+compiled steps, what follows a verification is ONE more graph (`keep_and_draft`): the accepted
+path's cache entries moved into place, the heads at the path's last node and the next step's
+candidates, rooted at the bonus token; the next `draft` just returns them. A step is then two
+graph launches (verify, keep) and the few copies into their buffers.
 
 Sampling (the rule a `verify.Sampled`): `MedusaProposer` drafts a chain of one token per head,
 d_i ~ q_i = head i's distribution at the rule's temperature and top-p, which `ChainDecoder`
@@ -24,6 +28,8 @@ the target verifies per step besides the root) is `num_tree_nodes - 1`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...errors import UserError
@@ -31,8 +37,11 @@ from ...medusa.model import MedusaHeads
 from ...trees import Path, StaticTree, best_first, chain_tree, default_tree, resolve_tree, static_tree
 from ..chain import ChainDecoder, Proposer
 from ..engines import as_cached_lm
+from ..engines.base import device_tensor
+from ..engines.compiled import WARMUP_RUNS, CompiledStep, timed_warmup
+from ..engines.static import StaticLM, move_entries
 from ..timing import timed
-from ..tree import TreeDecoder, TreeDrafter
+from ..tree import TreeDecoder, TreeDrafter, Verified
 from ..verify import Greedy, Sampled, probabilities, sample
 from .kind import Drafter, DrafterKind, parameter_share, per_token, require_finite
 
@@ -55,16 +64,40 @@ def head_logits(heads: MedusaHeads, hidden: torch.Tensor, num: int, device) -> t
         return torch.stack([heads.forward_head(i, hidden) for i in range(num)])
 
 
+def keep_and_draft(cache, heads: MedusaHeads, head_index: list[int], topk_index: list[int], depth: int, k: int,
+                   path: torch.Tensor, past: torch.Tensor, hidden: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """After a verification, as one graph: the accepted path's K/V entries moved to slots past ..
+    past + n - 1 (`path` [D + 1], padded by repeating its last node, so n = the distinct nodes:
+    the padding moves the last entry onto itself), the first `depth` heads at the target's hidden
+    state of the path's last node (`hidden` [W, H]), and the next step's candidate tokens [N]: the
+    bonus token (`argmax` [W] at that node) as the root, then head_index[i]'s top-`k` token
+    topk_index[i] for every other node. `past`: 0-d, on the device."""
+    width = path.shape[0]
+    last = path[-1:]
+    n = (path != last).sum() + 1
+    slots = torch.arange(width, device=path.device)
+    move_entries(cache, past + path, past + torch.minimum(slots, n - 1))
+    state = hidden.index_select(0, last)[0].to(heads.lm_heads[0].weight.dtype)
+    topk = torch.stack([heads.forward_head(i, state) for i in range(depth)]).topk(k, dim=-1).indices
+    flat = [h * k + j for h, j in zip(head_index, topk_index)]
+    return torch.cat([argmax.index_select(0, last), topk.flatten()[flat]])
+
+
 class MedusaDrafter(TreeDrafter):
     """Medusa heads on a static tree (cut shallower near the token budget)."""
 
     name = "medusa"
 
     def __init__(self, heads: MedusaHeads, buffers: StaticTree, num_layers: int, device,
-                 order: list[Path] | None = None):
+                 order: list[Path] | None = None, target=None):
         """`order`: the tree's paths best first (a calibrated tree's own order, which is what a
-        smaller node budget keeps first: `candidates`); default the node order."""
+        smaller node budget keeps first: `candidates`); default the node order. `target`: the
+        cached LM that verifies; a compiled `StaticLM` gets `keep_and_draft` once warmed up."""
         self.heads = heads
+        self.target = target
+        self._keep = None  # the compiled `keep_and_draft` (`warmup`)
+        self._width = 0    # the verification's width it was compiled for (the full tree's bucket)
+        self._next: torch.Tensor | None = None  # the next draft's tokens on the full tree, made ahead
         self.buffers = buffers
         self.rank = {p: i for i, p in enumerate(best_first(order or buffers.paths))}  # path -> its place
         self._last: tuple[torch.Tensor, StaticTree] | None = None
@@ -76,24 +109,47 @@ class MedusaDrafter(TreeDrafter):
         # drafts past max_new_tokens nor copies a tree over
         self._trees = [static_tree([p for p in buffers.paths if len(p) <= depth]).to(self.device)
                        for depth in range(buffers.max_depth + 1)]
+        # each cut tree's nodes among the full tree's (whose tokens a compiled `keep` makes)
+        node = {p: n for n, p in enumerate(self._trees[-1].paths, start=1)}
+        self._within = [torch.tensor([0] + [node[p] for p in tree.paths]).to(self.device) for tree in self._trees]
 
     def _tree(self, depth: int) -> StaticTree:
         return self._trees[min(depth, self.buffers.max_depth)]
 
+    def _candidates(self, root, tree: StaticTree) -> torch.Tensor:
+        """The tree's tokens from the heads at `self.hidden`, eagerly."""
+        topk = head_logits(self.heads, self.hidden, tree.max_depth, self.device).topk(tree.topk, dim=-1).indices
+        return tree_candidates(root, topk, tree)
+
     def reset(self, prompt, hidden=None):
         self.hidden = hidden[-1] if hidden is not None and len(hidden) else None
+        self._next = None
+        if self._keep is not None and self.hidden is not None and self.max_depth > 0:
+            # the first step's draft, made here (prefill's share): every step's then comes ahead
+            root = device_tensor([prompt[-1]], self.device)
+            self._next = self._candidates(root, self._tree(self.max_depth))
 
     def draft(self, root, depth):
+        """The tree's tokens. After a compiled `keep`, the ones it made (its root is the bonus
+        token, which is `root`): no work at full depth, a gather for a tree cut shallower."""
         self._last = None
-        if self.hidden is None:  # a one-token prompt: nothing for the heads to read yet
-            depth = 0
         tree = self._tree(depth)
+        made, self._next = self._next, None
+        if made is not None:
+            if tree.max_depth == 0:
+                self._last = (root.reshape(1), tree)
+                return root.reshape(1), tree
+            self.forwards += 1
+            tokens = made if tree.max_depth == self.max_depth else made.index_select(0, self._within[tree.max_depth])
+            self._last = (tokens, tree)
+            return tokens, tree
+        if self.hidden is None:  # a one-token prompt: nothing for the heads to read yet
+            tree = self._tree(0)
         if tree.max_depth == 0:
             self._last = (root.reshape(1), tree)
             return root.reshape(1), tree
-        topk = head_logits(self.heads, self.hidden, tree.max_depth, self.device).topk(tree.topk, dim=-1).indices
         self.forwards += 1
-        tokens = tree_candidates(root, topk, tree)
+        tokens = self._candidates(root, tree)
         self._last = (tokens, tree)
         return tokens, tree
 
@@ -111,6 +167,43 @@ class MedusaDrafter(TreeDrafter):
 
     def commit(self, nodes, accepted, bonus, hidden=None):
         self.hidden = hidden[-1]
+        self._next = None
+
+    def keep(self, target, verified: Verified) -> None:
+        """On a compiled static target (warmed up), one graph (`keep_and_draft`): the cache keeps
+        the accepted path and the next full-depth draft is made; the target's length is set here.
+        Elsewhere (the eager engine, a step of another width) the default: compaction, `commit`."""
+        hidden = verified.hidden
+        if (self._keep is None or target is not self.target or hidden is None or hidden.shape[0] != self._width
+                or verified.path.numel() != self.max_depth + 1):
+            return super().keep(target, verified)
+        past = verified.past
+        self._next = self._keep(verified.path, target._slots[past], hidden, verified.argmax)
+        self.hidden = None  # read by the graph: the next draft is made
+        target.rollback(past + len(verified.nodes))
+
+    def warmup(self) -> float:
+        """Compile `keep_and_draft` for the full tree's verification (after the target's warm-up,
+        which registered its width), on a compiled `StaticLM` target; 0 elsewhere."""
+        target = self.target
+        if not (isinstance(target, StaticLM) and target.compile and self.max_depth > 0):
+            return 0.0
+        # the width the full tree is verified at: its bucket among the sizes the target registered
+        width = min((s for s in target.sizes.get(tuple(self.hidden_layers), ()) if s >= self.max_nodes), default=None)
+        if width is None:
+            return 0.0
+        if self._keep is None or self._width != width:
+            tree = self._tree(self.max_depth)
+            paths = tree.paths
+            step = functools.partial(keep_and_draft, target.cache, self.heads, [len(p) - 1 for p in paths],
+                                     [p[-1] for p in paths], tree.max_depth, tree.topk)
+            self._keep, self._width = CompiledStep(step, target.device), width
+        dtype = target.model.get_output_embeddings().weight.dtype
+        path = torch.zeros(self.max_depth + 1, dtype=torch.long, device=target.device)
+        hidden = torch.zeros(width, self.heads.config.hidden_size, dtype=dtype, device=target.device)
+        argmax = torch.zeros(width, dtype=torch.long, device=target.device)
+        keep = self._keep
+        return timed_warmup(target, [lambda: keep(path, target._slots[0], hidden, argmax)], runs=WARMUP_RUNS)
 
 
 class MedusaProposer(Proposer):
@@ -175,7 +268,7 @@ def medusa_decoder(target, heads: MedusaHeads, *, tree: list[Path] | None = None
         attn = getattr(lm.model.config, "_attn_implementation", None)
         raise UserError(f"tree decoding needs an attention kernel that accepts custom masks, but the target "
                         f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
-    return TreeDecoder(lm, MedusaDrafter(heads, buffers, lm.num_layers, lm.device, order=paths), rule=rule,
+    return TreeDecoder(lm, MedusaDrafter(heads, buffers, lm.num_layers, lm.device, order=paths, target=lm), rule=rule,
                        eos_token_ids=eos_token_ids, record_margins=record_margins)
 
 

@@ -55,6 +55,14 @@ class CachedLM:
         """
         raise NotImplementedError
 
+    def verify(self, tokens: torch.Tensor, verdict, *, tree=None, hidden_layers: tuple[int, ...] = ()):
+        """`forward`, then `verdict(logits, tokens, tree)` (a `verify.GreedyVerdict`): returns
+        (the verdict, hidden or None). The static engine runs both as one compiled graph, so a
+        step's verification is one launch; its hidden rows may include padding after the n real
+        ones (callers index the rows they keep)."""
+        logits, hidden = self.forward(tokens, tree=tree, hidden_layers=hidden_layers)
+        return verdict(logits, tokens, tree), hidden
+
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""
         raise NotImplementedError
@@ -70,7 +78,8 @@ class CachedLM:
         """
         raise NotImplementedError
 
-    def warmup(self, sizes, *, hidden_layers: tuple[int, ...] = (), keep_width: int = 0) -> float:
+    def warmup(self, sizes, *, hidden_layers: tuple[int, ...] = (), keep_width: int = 0, verdict=None,
+               tree_depth: int = -1) -> float:
         """Prepare the fixed-shape steps of `sizes` tokens (compile and capture where that applies).
         Returns the seconds spent. The eager LM has nothing to prepare."""
         return 0.0

@@ -17,7 +17,13 @@ Warming up runs a shape three times: CUDA graph trees warm up, record, then repl
 
 Compiled artifacts are kept on disk under `$DRAFTTRAIN_HOME/compile/<torch>/<device>` (inductor's
 FX graph and autotuning caches), so a second identical run on this machine skips code
-generation; `compile_cache_state` says whether this process's compiles were served from it.
+generation; `compile_cache_state` says whether a run's compiles were served from it. A graph's
+shapes include its KV cache's capacity, so every static cache's capacity is rounded up to
+`CAPACITY_MULTIPLE` (`static_capacity`): other prompts of about the same length need the same
+graphs, and a second run with another prompt set reads them from the cache too.
+`capture_counts` says what CUDA graph trees did (graphs recorded, compiles that skipped capture).
+torch's counters are process-wide: `compile_counts` at a run's start, passed as `since`, counts
+that run's alone.
 `DRAFTTRAIN_COMPILE_BACKEND=eager` traces with dynamo (guards, recompiles, fullgraph checks)
 without generating code: what the CPU tests use to prove shapes are stable.
 """
@@ -35,6 +41,25 @@ from .overhead import paused
 
 WARMUP_RUNS = 3
 BACKEND_VARIABLE = "DRAFTTRAIN_COMPILE_BACKEND"
+CAPACITY_MULTIPLE = 256
+# torch's process-wide counters (torch._dynamo.utils.counters[group][name]) that a run's compile
+# and capture figures come from; ("drafttrain", "cuda_graphs") is ours (`count_cuda_graphs`).
+CACHE_COUNTERS = {"hit": [("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit")],
+                  "miss": [("inductor", "fxgraph_cache_miss"), ("aot_autograd", "autograd_cache_miss")],
+                  "bypass": [("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_bypass")]}
+CAPTURE_COUNTERS = {"cudagraph_skips": ("inductor", "cudagraph_skips"), "cuda_graphs": ("drafttrain", "cuda_graphs")}
+
+
+def static_capacity(entries: int) -> int:
+    """The slots a static KV cache preallocates to hold `entries`: rounded up to a multiple of
+    `CAPACITY_MULTIPLE`, for the target's cache, draft LMs' and the EAGLE-3 draft's alike. The
+    capacity is part of every compiled graph's shapes (the cache, the masks, the rotary tables),
+    and the entries a run needs follow its longest prompt: rounded to 16, nearly every new prompt
+    set had a new capacity, so its graphs missed inductor's FX graph cache and were generated
+    again; rounded to 256, prompt sets of about the same length share them. (Multiples of 16 also
+    suit the fused attention kernels.) The price: attention reads up to 255 more slots, masked.
+    Room checks stay on the asked-for length (`CachedLM.max_length`), never the capacity."""
+    return -(-int(entries) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
 def raise_compile_limits() -> None:
@@ -66,15 +91,64 @@ def use_compile_cache(device) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(device)
 
 
-def compile_cache_state(compile_seconds: float) -> str:
-    """"off" (nothing compiled), "warm" (every graph this process generated came from the disk
-    cache) or "cold"."""
-    if compile_seconds <= 0 or os.environ.get(BACKEND_VARIABLE, "inductor") != "inductor":
-        return "off"
+def _counter(group: str, name: str) -> int:
     from torch._dynamo.utils import counters
 
-    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-    return "warm" if hits and not misses else "cold"
+    return int(counters[group].get(name, 0)) if group in counters else 0
+
+
+def compile_counts() -> dict[str, int]:
+    """This process's compile and capture counters so far ("hit", "miss", "bypass": inductor's FX
+    graph cache and AOTAutograd's cache together; "cudagraph_skips", "cuda_graphs"). torch's
+    counters are process-wide: take this at a run's start and pass it as `since` to
+    `compile_cache_state` and `capture_counts` to count that run's compiles alone."""
+    counts = {kind: sum(_counter(*key) for key in keys) for kind, keys in CACHE_COUNTERS.items()}
+    return {**counts, **{name: _counter(*key) for name, key in CAPTURE_COUNTERS.items()}}
+
+
+def _since(since: dict[str, int] | None) -> dict[str, int]:
+    now = compile_counts()
+    return {k: max(v - (since or {}).get(k, 0), 0) for k, v in now.items()}
+
+
+def compile_cache_state(compile_seconds: float, since: dict[str, int] | None = None) -> str:
+    """"off" (nothing compiled), "warm" (every graph compiled since `since`, a `compile_counts`
+    snapshot, or in this process where None, came from the disk cache: hits, and no miss and no
+    bypass, in inductor's FX graph cache or AOTAutograd's) or "cold"."""
+    if compile_seconds <= 0 or os.environ.get(BACKEND_VARIABLE, "inductor") != "inductor":
+        return "off"
+    counts = _since(since)
+    return "warm" if counts["hit"] and not counts["miss"] and not counts["bypass"] else "cold"
+
+
+def _count_recording(args) -> None:
+    from torch._dynamo.callback import CallbackTrigger
+    from torch._dynamo.utils import counters
+
+    if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+        counters["drafttrain"]["cuda_graphs"] += 1
+
+
+def count_cuda_graphs() -> None:
+    """Count each CUDA graph that CUDA graph trees record (`counters["drafttrain"]["cuda_graphs"]`):
+    torch has no counter for it, but runs its compile callbacks around every recording. Idempotent;
+    every `CompiledStep` calls it (again after `torch._dynamo.reset()`, which drops callbacks)."""
+    from torch._dynamo.callback import callback_handler
+
+    if _count_recording not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_count_recording)
+
+
+def capture_counts(device, since: dict[str, int] | None = None) -> dict[str, int | None]:
+    """What CUDA graph capture did since `since` (a `compile_counts` snapshot; None: in this
+    process): "cudagraph_skips", inductor's count of compiled graphs that fell back to running
+    without a CUDA graph (0 when every step is captured), and "cuda_graphs", the CUDA graphs
+    recorded. Both None off CUDA, where nothing is captured. The one reading of these counters,
+    for `drafttrain bench` and the eval report's engine block alike."""
+    if torch.device(device).type != "cuda":
+        return {name: None for name in CAPTURE_COUNTERS}
+    counts = _since(since)
+    return {name: counts[name] for name in CAPTURE_COUNTERS}
 
 
 def step_state(shape, *, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
@@ -108,6 +182,7 @@ class CompiledStep:
     def __init__(self, fn, device: torch.device):
         use_compile_cache(device)
         raise_compile_limits()
+        count_cuda_graphs()
         self.device = torch.device(device)
         self.cudagraphs = self.device.type == "cuda"
         self.fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=os.environ.get(BACKEND_VARIABLE, "inductor"),

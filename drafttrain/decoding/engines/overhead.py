@@ -30,10 +30,12 @@ SYNC_OPS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.ma
 
 @dataclass
 class Overhead:
-    """Counts over the counted region: host syncs and eager (uncompiled) aten ops."""
+    """Counts over the counted region: host syncs, eager (uncompiled) aten ops and calls of
+    compiled steps (each one graph launch: a CUDA graph replay on CUDA)."""
 
     syncs: int = 0
     eager_ops: int = 0
+    compiled_calls: int = 0
 
 
 class _OpCounter(TorchDispatchMode):
@@ -119,11 +121,12 @@ def count_overhead():
 @contextlib.contextmanager
 def paused():
     """No counting inside (a compiled step runs here: its ops are one graph, not eager launches,
-    and dynamo must trace torch's own methods, not the counters)."""
+    and dynamo must trace torch's own methods, not the counters); the graph's launch is counted."""
     if not _active:
         yield
         return
     overhead = _active.pop()
+    overhead.compiled_calls += 1
     _unpatch()
     try:
         with _disable_current_modes():
@@ -133,9 +136,19 @@ def paused():
         _active.append(overhead)
 
 
-def step_overhead(decoder, prompt: list[int], max_new_tokens: int) -> tuple[float, float, int]:
-    """(host syncs per step, eager ops per step, steps) of `decoder` generating from `prompt`:
-    prefill and the drafter's reset are not counted, every verification step is."""
+@dataclass
+class StepOverhead:
+    """Per verification step, averaged over a generation: host syncs, eager ops, compiled calls."""
+
+    syncs: float
+    eager_ops: float
+    compiled_calls: float
+    steps: int
+
+
+def step_overhead(decoder, prompt: list[int], max_new_tokens: int) -> StepOverhead:
+    """What each step of `decoder` generating from `prompt` costs outside its graphs: prefill and
+    the drafter's reset are not counted, every verification step is."""
     total, steps = Overhead(), 0
     step = decoder._step
 
@@ -145,6 +158,7 @@ def step_overhead(decoder, prompt: list[int], max_new_tokens: int) -> tuple[floa
             result = step(budget)
         total.syncs += counts.syncs
         total.eager_ops += counts.eager_ops
+        total.compiled_calls += counts.compiled_calls
         steps += 1
         return result
 
@@ -153,4 +167,5 @@ def step_overhead(decoder, prompt: list[int], max_new_tokens: int) -> tuple[floa
         decoder.generate(prompt, max_new_tokens)
     finally:
         del decoder._step
-    return total.syncs / max(steps, 1), total.eager_ops / max(steps, 1), steps
+    n = max(steps, 1)
+    return StepOverhead(total.syncs / n, total.eager_ops / n, total.compiled_calls / n, steps)

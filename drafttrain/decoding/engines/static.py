@@ -1,8 +1,12 @@
 """The static cached LM: a preallocated KV cache and fixed-shape compiled steps.
 
-The model's own submodules do all the work (embedding, norms, q/k/v/o projections with their
-biases, Qwen3's q/k norms, the MLPs, the final norm and the LM head; rotary cos/sin come from the
-model's rotary module, tabulated once for every slot). Only the attention core is ours: SDPA
+The model's own submodules do most of the work (embedding, norms, o projections, Qwen3's q/k
+norms, the MLPs' activations and down projections, the final norm and the LM head; rotary cos/sin
+come from the model's rotary module, tabulated once for every slot). Fused weights: each layer's
+q/k/v and gate/up weights (and biases) are concatenated once when the engine is built
+(`FusedWeights`, a copy beside the cache; the model's own parameters are left as they are), so a
+layer takes two matmuls where it took five, on a GPU fewer kernel launches per layer of a step
+that costs its launches more than its arithmetic. Only the attention core is ours: SDPA
 over the whole preallocated cache with a boolean mask computed from tensor inputs, so the same
 compiled graph serves every cache length. The mask lets a query see
 
@@ -18,7 +22,13 @@ dynamic=False)`, `mode="reduce-overhead"` on CUDA: one CUDA graph per size). A s
 padded to the next registered size: the padding sits after the real tokens, causal masking
 hides it from them, its logits are dropped and `length` advances by the real count only.
 Positions, cache slots and masks are tensors, never Python ints inside the graph, or every new
-length would recompile. Prefill (any length) runs the same function uncompiled.
+length would recompile. Prefill, a chain longer than every bucket, runs as compiled chunks of
+`PREFILL_CHUNK` tokens (the last padded as a bucket is; `warmup` compiles the chunk for each
+hidden-layer set it warms), so a prompt costs ceil(n / 64) graph launches, not one uncompiled
+step's ~1,300 kernel launches. Near the cache's end, where a padded chunk would run past its
+capacity, the tail takes smaller registered buckets; only if none fits, or where nothing was
+warmed up for those hidden layers, does it run uncompiled. Uncompiled (the CPU default), the same
+chunks run the same function eagerly.
 
 Grouped-query attention without copying the cache: the G query heads that share a KV head are
 stacked along the query axis ([B, kv_heads, G * n, d]), so SDPA reads each cached K/V once.
@@ -36,12 +46,18 @@ from ...errors import UserError
 from ...models import is_sharded_module
 from ...trees import Tree
 from .base import CachedLM, device_tensor
-from .compiled import WARMUP_RUNS, CompiledStep, step_state, timed_warmup
+from .compiled import WARMUP_RUNS, CompiledStep, static_capacity, step_state, timed_warmup
 from .matmul import use_skinny_matmuls
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 WINDOWED_ARCHITECTURES = ("gemma3_text",)  # sliding-window layers honoured by the mask at any length
+# Prefill's compiled width. A prompt longer than every bucket runs as ceil(n / 64) compiled steps
+# (one CUDA graph replay each) instead of one uncompiled step (~1,300 kernel launches from Python
+# for a small model): 64 rows keep the matmuls wide enough to run at full speed and a long prompt
+# to few launches (32 for 2k tokens), while padding the last chunk wastes at most 63 rows; and it
+# is one more shape to compile per hidden-layer set, not one per prompt length.
+PREFILL_CHUNK = 64
 
 
 def static_support(model, max_length: int | None = None) -> str | None:
@@ -56,6 +72,8 @@ def static_support(model, max_length: int | None = None) -> str | None:
     body = getattr(model, "model", None)
     if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{arch} does not have the expected model.embed_tokens/layers/norm/rotary_emb modules"
+    if not all(fusable(layer) for layer in body.layers):
+        return f"{arch}'s q/k/v or gate/up projections are not plain linear layers (quantized or adapter-wrapped)"
     rope = getattr(body.rotary_emb, "rope_type", "default")
     ropes = rope.values() if isinstance(rope, dict) else [rope]  # Gemma-3: one per layer type
     bad = [r for r in ropes if not isinstance(r, str) or r not in STATIC_ROPE_TYPES]
@@ -72,8 +90,55 @@ def static_support(model, max_length: int | None = None) -> str | None:
     return None
 
 
+def fused_linear(*parts: nn.Linear) -> nn.Linear:
+    """One linear layer whose output is `parts`' outputs side by side: their weights (and biases,
+    zeros for a part without one) concatenated into new tensors; the parts stay as they are. A
+    plain frozen `nn.Linear`, so `use_skinny_matmuls` gives it the few-rows path as it does the
+    model's own layers."""
+    with torch.no_grad(), torch.inference_mode(False):  # read by compiled steps, which run outside it
+        weight = torch.cat([p.weight for p in parts])
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=False)
+        if any(p.bias is not None for p in parts):
+            biases = [p.bias if p.bias is not None else weight.new_zeros(p.out_features) for p in parts]
+            fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    return fused
+
+
+class FusedWeights(nn.Module):
+    """Each layer's q/k/v projections as one linear layer (`qkv[i]`, outputs q | k | v) and its
+    MLP's gate/up as another (`gate_up[i]`, gate | up), concatenated once when the engine is built.
+    A step then launches two matmuls where it launched five (of about 12 kernels a layer): on a
+    GPU, where a small step costs its launches more than its arithmetic, that is time per layer.
+
+    A copy, not the model's parameters rearranged: the same model runs on the eager engine, trains
+    and is saved by the recipes. So those weights are held twice, and a model changed after the
+    engine is built needs a new engine."""
+
+    def __init__(self, model):
+        super().__init__()
+        layers = model.model.layers
+        self.qkv = nn.ModuleList(fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)
+                                 for l in layers)
+        self.gate_up = nn.ModuleList(fused_linear(l.mlp.gate_proj, l.mlp.up_proj) for l in layers)
+        self.qkv_sizes = [(l.self_attn.q_proj.out_features, l.self_attn.k_proj.out_features,
+                           l.self_attn.v_proj.out_features) for l in layers]
+
+
+FUSED_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                     ("mlp", "gate_proj"), ("mlp", "up_proj"))
+
+
+def fusable(layer) -> bool:
+    """Whether `FusedWeights` reproduces this layer: its q/k/v and gate/up are plain `nn.Linear`
+    (a quantized or adapter-wrapped layer's product is not its `weight` alone)."""
+    return all(type(getattr(getattr(layer, block, None), name, None)) is nn.Linear
+               for block, name in FUSED_PROJECTIONS)
+
+
 class StaticCache(nn.Module):
-    """Per-layer K and V buffers [batch, kv_heads, capacity, head_dim] and the rotary tables."""
+    """Per-layer K and V buffers [batch, kv_heads, capacity, head_dim], the rotary tables and the
+    fused q/k/v and gate/up weights (`fused`): what a step reads besides the model's own modules."""
 
     def __init__(self, model, capacity: int, batch_size: int = 1):
         super().__init__()
@@ -100,6 +165,7 @@ class StaticCache(nn.Module):
         for name, (cos, sin) in tables.items():
             self.register_buffer(f"cos{name}", cos[0].contiguous(), persistent=False)  # [capacity, head_dim]
             self.register_buffer(f"sin{name}", sin[0].contiguous(), persistent=False)
+        self.fused = FusedWeights(model)
 
 
 def layer_windows(model) -> list[int | None]:
@@ -178,14 +244,22 @@ def layer_rotary(cache: StaticCache, positions: torch.Tensor) -> list[tuple[torc
     return [tables[name] for name in cache.rope_names]
 
 
-def residual_blocks(layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+def fused_mlp(mlp: nn.Module, gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The model's MLP, down(act(gate(x)) * up(x)), with gate and up one matmul; `act_fn` is the
+    MLP's own (SiLU for Llama/Qwen, tanh-approximated GELU for Gemma-3)."""
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def residual_blocks(layer, gate_up: nn.Linear, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """The attention and MLP residual adds. Llama's `post_attention_layernorm` is the MLP's input
     norm; Gemma's sandwich norms the attention output and both sides of the MLP instead."""
+    mlp = functools.partial(fused_mlp, layer.mlp, gate_up)
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma
         x = x + layer.post_attention_layernorm(attn_out)
-        return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+        return x + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(x)))
     x = x + attn_out
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + mlp(layer.post_attention_layernorm(x))
 
 
 def softcap_logits(config, logits: torch.Tensor) -> torch.Tensor:
@@ -202,9 +276,9 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
     """tokens/positions [B, n], slots [n], block_mask [n, n] -> (logits [B, n, V], hidden [B, n, D] or None).
 
     Writes the n tokens' K/V at `slots` of every layer. The one function both compiled and
-    uncompiled steps run.
+    uncompiled steps run. Each layer's q/k/v and gate/up take one matmul each (`cache.fused`).
     """
-    body = model.model
+    body, fused = model.model, cache.fused
     B, n = tokens.shape
     G = cache.heads // cache.kv_heads
     d = cache.head_dim
@@ -216,9 +290,9 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
         cos, sin = rotary[i]
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(B, n, -1, d)
-        k = attn.k_proj(h).view(B, n, -1, d)
-        v = attn.v_proj(h).view(B, n, -1, d).transpose(1, 2)
+        q, k, v = fused.qkv[i](h).split(fused.qkv_sizes[i], dim=-1)  # one matmul for the three
+        q, k = q.view(B, n, -1, d), k.view(B, n, -1, d)
+        v = v.view(B, n, -1, d).transpose(1, 2)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3, Gemma-3
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -229,7 +303,7 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
         q = q.reshape(B, cache.kv_heads, G * n, d)  # query head j*G + g reads KV head j
         o = F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=masks[i], scale=attn.scaling)
         o = o.view(B, cache.heads, n, d).transpose(1, 2).reshape(B, n, cache.heads * d)
-        x = residual_blocks(layer, x, attn.o_proj(o))
+        x = residual_blocks(layer, fused.gate_up[i], x, attn.o_proj(o))
         if i + 1 in hidden_layers and i + 1 < cache.num_layers:
             picked[i + 1] = x
     x = body.norm(x)
@@ -249,6 +323,35 @@ def move_entries(cache: StaticCache, src: torch.Tensor, dst: torch.Tensor) -> No
         v.index_copy_(2, dst, v.index_select(2, src))
 
 
+def verify_step(model, cache: StaticCache, tokens: torch.Tensor, start: torch.Tensor, parent: torch.Tensor | None = None,
+                depths: torch.Tensor | None = None, mask: torch.Tensor | None = None, *, verdict, max_depth: int = 0,
+                hidden_layers: tuple[int, ...] = ()):
+    """One verification as one graph: `static_step` over `tokens` [W] (padding -1) at slots
+    `start` .. start + W - 1 (`start` 0-d, on the device), then `verdict` on its logits.
+    A chain (no `mask`) sits at positions start + 0 .. W - 1, causal; a tree's node i at
+    start + depths[i], seeing what `mask` allows. Returns (verdict, hidden [W, D] or None)."""
+    width = tokens.shape[0]
+    slots = start + torch.arange(width, device=tokens.device)
+    tree = None
+    if mask is None:
+        positions, block = slots, torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril()
+    else:
+        positions, block = start + depths, mask
+        tree = Tree(parent=parent, depths=depths, attention_mask=mask, max_depth=max_depth)
+    logits, hidden = static_step(model, cache, tokens.clamp(min=0)[None], positions[None], slots, block, None,
+                                 hidden_layers)
+    return verdict(logits[0], tokens, tree), (hidden[0] if hidden is not None else None)
+
+
+def padded_tree(tree: Tree, width: int) -> Tree:
+    """`tree` padded to `width` nodes: each padding node a child of the root that sees only itself
+    (its token, -1, is never accepted)."""
+    pad = width - tree.num_nodes
+    eye = torch.eye(width, dtype=torch.bool, device=tree.parent.device)
+    return Tree(parent=F.pad(tree.parent, (0, pad)), depths=F.pad(tree.depths, (0, pad)),
+                attention_mask=F.pad(tree.attention_mask, (0, pad, 0, pad)) | eye, max_depth=tree.max_depth)
+
+
 class StaticLM(CachedLM):
     engine = "static"
 
@@ -264,8 +367,9 @@ class StaticLM(CachedLM):
         use_skinny_matmuls(model)
         self.max_length = max_length
         self.batch_size = batch_size
-        capacity = -(-max_length // 16) * 16  # aligned rows suit the fused attention kernels
+        capacity = static_capacity(max_length)  # a multiple of 256: the same graphs for other prompt sets
         self.cache = StaticCache(model, capacity, batch_size)
+        use_skinny_matmuls(self.cache.fused)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.cudagraphs = self.compile and self.device.type == "cuda"
         self.sizes: dict[tuple, list[int]] = {}  # registered step sizes (buckets) per hidden layers, ascending
@@ -273,6 +377,9 @@ class StaticLM(CachedLM):
         self.compile_seconds = 0.0
         self.length = 0
         self._steps: dict = {}
+        self.prefill_chunks: set[tuple[int, ...]] = set()  # hidden layers whose prefill chunk is warmed up
+        self._verifies: dict = {}      # (hidden layers, verdict, tree depth) -> its compiled verification
+        self._verify_keys: set = set()  # (width, hidden layers, verdict, tree depth) warmed up
         self._move = None
         self._causal: dict[int, torch.Tensor] = {}
         self._slots = torch.arange(self.cache.capacity, device=self.device)
@@ -317,10 +424,56 @@ class StaticLM(CachedLM):
                 return size
         return None
 
+    @property
+    def prefill_chunk(self) -> int:
+        """The width of a prefill chunk: `PREFILL_CHUNK`, or the whole cache where it is smaller."""
+        return min(PREFILL_CHUNK, self.capacity)
+
+    def _prefill_width(self, rest: int, hidden_layers: tuple[int, ...]) -> int | None:
+        """The compiled width of prefill's next piece, `rest` tokens still to feed: the smallest
+        bucket that holds them all, else the widest compiled width that fits the cache (a chunk,
+        or near the cache's end, where a padded chunk would run past it, a smaller bucket). None:
+        none fits, and the rest runs uncompiled at its own width."""
+        size = self._bucket(rest, hidden_layers)
+        if size is not None:
+            return size
+        widths = (*self.sizes.get(hidden_layers, ()), self.prefill_chunk)
+        return max((w for w in widths if self.length + w <= self.capacity), default=None)
+
+    def _prefill(self, tokens: torch.Tensor, hidden_layers: tuple[int, ...]):
+        """A chain longer than every bucket (a prompt) as compiled fixed-width pieces
+        (`_prefill_width`): ceil(n / chunk) graph launches, not one uncompiled step. Outputs
+        concatenated, as one step would return them."""
+        pieces, done, n = [], 0, tokens.numel()
+        while done < n:
+            width = self._prefill_width(n - done, hidden_layers)
+            real = min(n - done, width or n)
+            pieces.append(self._padded_chain(tokens[done:done + real], width or real, hidden_layers,
+                                             compiled=width is not None))
+            done += real
+        if len(pieces) == 1:
+            return pieces[0]
+        logits, hidden = zip(*pieces)
+        return torch.cat(logits), (torch.cat(hidden) if hidden[0] is not None else None)
+
+    def _padded_chain(self, tokens: torch.Tensor, width: int, hidden_layers: tuple[int, ...], *, compiled: bool):
+        """One causal step of `tokens` padded to `width` as a bucket step is (padding after the real
+        tokens, its outputs dropped, `length` advanced by the real count only)."""
+        n = tokens.numel()
+        if width > n:
+            tokens = F.pad(tokens, (0, width - n))
+        span = self._slots[self.length:self.length + width]  # positions of a chain: its slots
+        logits, hidden = self.run(tokens.view(1, -1), span.view(1, -1), self.causal(width),
+                                  hidden_layers=hidden_layers, compiled=compiled)
+        self.length += n
+        return logits[0, :n], (hidden[0, :n] if hidden is not None else None)
+
     def forward(self, tokens: torch.Tensor, *, tree: Tree | None = None, hidden_layers: tuple[int, ...] = ()):
         n = tokens.numel()
         self._check_room(n)
         size = self._bucket(n, tuple(hidden_layers))
+        if size is None and tree is None and tuple(hidden_layers) in self.prefill_chunks:
+            return self._prefill(tokens, tuple(hidden_layers))
         width = size or n
         if width > n:  # padding after the real tokens, each padding row seeing only itself
             tokens = F.pad(tokens, (0, width - n))
@@ -337,6 +490,37 @@ class StaticLM(CachedLM):
                                   hidden_layers=tuple(hidden_layers), compiled=size is not None)
         self.length += n
         return logits[0, :n], (hidden[0, :n] if hidden is not None else None)
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, verdict, *, tree: Tree | None = None, hidden_layers: tuple[int, ...] = ()):
+        """`forward` and `verdict` as one graph (`verify_step`), compiled where `warmup` registered
+        this size, hidden layers, verdict and tree depth; else the same function uncompiled (the
+        steps a token budget cuts shallower, near the end of a generation)."""
+        n = tokens.numel()
+        self._check_room(n)
+        kind = (tuple(hidden_layers), verdict, tree.max_depth if tree is not None else -1)
+        width = min((key[0] for key in self._verify_keys if key[1:] == kind and n <= key[0]
+                     and self.length + key[0] <= self.capacity), default=n)
+        if width > n:
+            tokens = F.pad(tokens, (0, width - n), value=-1)
+            tree = padded_tree(tree, width) if tree is not None else None
+        key = (width, *kind)
+        args = [tokens, self._slots[self.length]]
+        if tree is not None:
+            args += [tree.parent, tree.depths, tree.attention_mask]
+        out = self._verify_fn(key, compiled=key in self._verify_keys)(*args)
+        self.length += n
+        return out
+
+    def _verify_fn(self, key: tuple, compiled: bool):
+        _, hidden_layers, verdict, max_depth = key
+        step = functools.partial(verify_step, self.model, self.cache, verdict=verdict, max_depth=max(max_depth, 0),
+                                 hidden_layers=hidden_layers)
+        if not (compiled and self.compile):
+            return step
+        if key[1:] not in self._verifies:
+            self._verifies[key[1:]] = CompiledStep(step, self.device)
+        return self._verifies[key[1:]]
 
     def rollback(self, length: int) -> None:
         self._check_rollback(length)
@@ -360,11 +544,14 @@ class StaticLM(CachedLM):
     # -- warm-up ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def warmup(self, sizes, *, hidden_layers: tuple[int, ...] = (), keep_width: int = 0) -> float:
+    def warmup(self, sizes, *, hidden_layers: tuple[int, ...] = (), keep_width: int = 0, verdict=None,
+               tree_depth: int = -1) -> float:
         """Register `sizes` as step buckets and compile/capture each (`timed_warmup`: three runs,
-        CUDA graph trees warm up, record, then replay). Returns the seconds spent, also added to
-        `compile_seconds`. Runs dummy steps through the cache, so it ends with `reset()`: call it
-        between generations."""
+        CUDA graph trees warm up, record, then replay), and prefill's chunk for these hidden
+        layers (`PREFILL_CHUNK`, not a bucket: decode steps never pad to it); with a `verdict`, also each size's
+        verification graph (`verify`) for trees `tree_depth` deep (-1: chains). Returns the
+        seconds spent, also added to `compile_seconds`. Runs dummy steps through the cache, so it
+        ends with `reset()`: call it between generations."""
         sizes = sorted({int(s) for s in sizes if 0 < int(s) <= self.capacity})
         hidden_layers = tuple(hidden_layers)
 
@@ -375,6 +562,11 @@ class StaticLM(CachedLM):
                                      compiled=True)
 
         steps = [step(size) for size in sizes]
+        if hidden_layers not in self.prefill_chunks and self.prefill_chunk not in sizes:
+            steps.append(step(self.prefill_chunk))  # prefill's chunk (`_prefill`): no prompt compiles
+        verify_keys = {(size, hidden_layers, verdict, tree_depth) for size in sizes} if verdict is not None else set()
+        steps += [functools.partial(self._dummy_verify, key) for key in sorted(verify_keys - self._verify_keys,
+                                                                                key=lambda k: k[0])]
         move = bool(keep_width) and self.compile and keep_width <= self.capacity
         if move:
             if self._move is None or keep_width != self.keep_width:
@@ -387,4 +579,19 @@ class StaticLM(CachedLM):
         if move:
             self.keep_width = keep_width
         self.sizes[hidden_layers] = sorted(set(self.sizes.get(hidden_layers, ())) | set(sizes))
+        self.prefill_chunks.add(hidden_layers)
+        self._verify_keys |= verify_keys
         return seconds
+
+    def _dummy_verify(self, key: tuple) -> None:
+        """One verification of `key`'s shape on zeros (a star-shaped tree for a tree's), compiled."""
+        width, _, _, depth = key
+        tokens = torch.zeros(width, dtype=torch.long, device=self.device)
+        args = [tokens, self._slots[0]]
+        if depth >= 0:
+            parent = torch.zeros(width, dtype=torch.long, device=self.device)
+            parent[0] = -1
+            mask = torch.eye(width, dtype=torch.bool, device=self.device)
+            mask[:, 0] = True
+            args += [parent, (parent + 1).clamp(max=1), mask]
+        self._verify_fn(key, compiled=True)(*args)

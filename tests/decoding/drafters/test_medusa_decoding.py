@@ -233,6 +233,41 @@ def test_tree_margins_are_the_targets_top2_gap(target, engine):
         medusa_decoder(target, noisy_heads(target, 2), rule=Sampled(1.0), record_margins=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", list(TREES))
+def test_compiled_keep_makes_the_next_draft_in_one_graph(target, tree, monkeypatch):
+    """On a compiled static target (dynamo's eager backend) each step after a verification is one
+    more graph (`keep_and_draft`: the accepted path's entries moved, the heads, the next tree's
+    tokens): the output is `generate()`'s and every step drafts and accepts exactly what the
+    uncompiled decoder does (the same candidates, best first), EOS, a one-token prompt and trees
+    cut shallower by the budget included; nothing compiles after warm-up."""
+    import torch._dynamo
+
+    from drafttrain.decoding import StaticLM
+
+    monkeypatch.setenv("DRAFTTRAIN_COMPILE_BACKEND", "eager")
+    heads = noisy_heads(target, 4)
+    paths = TREES[tree](4)
+    compiled = medusa_decoder(StaticLM(target, max_length=96, compile=True), heads, tree=paths, eos_token_ids={22})
+    compiled.warmup()
+    assert compiled.drafter._keep is not None
+    plain = medusa_decoder(on_engine(target, "static"), heads, tree=paths, eos_token_ids={22})
+    accepted = 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in PROMPTS:
+            for max_new in (MAX_NEW, 3):
+                compiled.recorded, plain.recorded = [], []
+                gen, ref = compiled.generate(prompt, max_new), plain.generate(prompt, max_new)
+                assert gen.tokens == ref.tokens == reference(target, prompt, max_new, eos=22)
+                assert gen.accepted_lengths == ref.accepted_lengths
+                assert gen.proposed_lengths == ref.proposed_lengths
+                assert gen.draft_forwards == ref.draft_forwards
+                assert compiled.recorded == plain.recorded
+                check_bookkeeping(gen, compiled.num_draft_tokens)
+                accepted += sum(gen.accepted_lengths)
+    assert accepted > 0
+
+
 # --- sampling --------------------------------------------------------------------------------
 
 

@@ -28,15 +28,77 @@ def test_the_cache_is_keyed_by_torch_and_device_under_the_home(tmp_path, monkeyp
 
 
 def test_the_cache_state_says_off_cold_or_warm(monkeypatch):
+    """"warm" only where graphs hit the cache and none missed or bypassed it, in inductor's FX graph
+    cache or AOTAutograd's (a bypassed graph is generated anew as surely as a missed one)."""
+    from collections import Counter
+
     from torch._dynamo.utils import counters
 
+    def set_counts(inductor=(0, 0, 0), aot=(0, 0, 0)):
+        names = ("hit", "miss", "bypass")
+        monkeypatch.setitem(counters, "inductor", Counter({f"fxgraph_cache_{n}": v for n, v in zip(names, inductor)}))
+        monkeypatch.setitem(counters, "aot_autograd", Counter({f"autograd_cache_{n}": v for n, v in zip(names, aot)}))
+
     monkeypatch.delenv(compiled.BACKEND_VARIABLE, raising=False)
-    monkeypatch.setitem(counters, "inductor", {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 0})
+    set_counts(inductor=(3, 0, 0), aot=(3, 0, 0))
     assert compile_cache_state(0.0) == "off" and compile_cache_state(2.0) == "warm"
-    monkeypatch.setitem(counters, "inductor", {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 1})
+    set_counts(inductor=(3, 0, 0))
+    assert compile_cache_state(2.0) == "warm"
+    set_counts()  # compiled, but no graph came from the cache
     assert compile_cache_state(2.0) == "cold"
+    set_counts(inductor=(3, 1, 0))
+    assert compile_cache_state(2.0) == "cold"
+    set_counts(inductor=(3, 0, 1))
+    assert compile_cache_state(2.0) == "cold"
+    set_counts(inductor=(3, 0, 0), aot=(2, 0, 1))
+    assert compile_cache_state(2.0) == "cold"
+    set_counts(inductor=(3, 0, 0), aot=(2, 1, 0))
+    assert compile_cache_state(2.0) == "cold"
+    # Process-wide counters: a run counts from its own start (an earlier run's miss is not its own).
+    set_counts(inductor=(3, 1, 1))
+    since = compiled.compile_counts()
+    assert compile_cache_state(2.0, since=since) == "cold"  # nothing since: no hit
+    counters["inductor"]["fxgraph_cache_hit"] += 2
+    assert compile_cache_state(2.0, since=since) == "warm" and compile_cache_state(2.0) == "cold"
+    counters["inductor"]["fxgraph_cache_bypass"] += 1
+    assert compile_cache_state(2.0, since=since) == "cold"
     monkeypatch.setenv(compiled.BACKEND_VARIABLE, "eager")  # nothing generated, nothing cached
     assert compile_cache_state(2.0) == "off"
+
+
+def test_capture_counts_read_the_counters_on_cuda_and_are_none_elsewhere(monkeypatch):
+    """cudagraph_skips is inductor's counter; cuda_graphs counts CUDA graph trees' recordings, each
+    announced to dynamo's compile callbacks (torch has no counter for it); both since a snapshot."""
+    from collections import Counter
+
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters, "inductor", Counter(cudagraph_skips=2))
+    monkeypatch.setitem(counters, "drafttrain", Counter())
+    assert compiled.capture_counts("cpu") == {"cudagraph_skips": None, "cuda_graphs": None}
+    assert compiled.capture_counts("cuda") == {"cudagraph_skips": 2, "cuda_graphs": 0}
+    since = compiled.compile_counts()
+    compiled.count_cuda_graphs()
+    compiled.count_cuda_graphs()  # idempotent: one callback
+    try:
+        for _ in range(3):  # what CUDAGraphTreeManager.record_function does around each recording
+            with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0/0"):
+                pass
+        with callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "0/1"):  # a compile is no recording
+            pass
+    finally:
+        callback_handler.remove_start_callback(compiled._count_recording)
+    counters["inductor"]["cudagraph_skips"] += 1
+    assert compiled.capture_counts("cuda") == {"cudagraph_skips": 3, "cuda_graphs": 3}
+    assert compiled.capture_counts(torch.device("cuda", 0), since=since) == {"cudagraph_skips": 1, "cuda_graphs": 3}
+
+
+def test_every_static_cache_capacity_is_a_multiple_of_256():
+    """The capacity is in every graph's shapes: rounded coarsely, another prompt set of about the
+    same length compiles the same graphs and finds them in the disk cache."""
+    assert compiled.CAPACITY_MULTIPLE == 256
+    assert [compiled.static_capacity(n) for n in (1, 37, 256, 257, 700)] == [256, 256, 256, 512, 768]
 
 
 def test_inputs_are_staged_in_the_steps_own_buffers(monkeypatch):
