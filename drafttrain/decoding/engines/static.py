@@ -137,8 +137,11 @@ def fusable(layer) -> bool:
 
 
 class StaticCache(nn.Module):
-    """Per-layer K and V buffers [batch, kv_heads, capacity, head_dim], the rotary tables and the
-    fused q/k/v and gate/up weights (`fused`): what a step reads besides the model's own modules."""
+    """Every layer's K and V in ONE buffer `kv` [2, layers, batch, kv_heads, capacity, head_dim]
+    (so moving entries, `move_entries`, is one gather and one scatter for the whole model rather than
+    four per layer), the rotary tables and the fused q/k/v and gate/up weights (`fused`): what a step
+    reads besides the model's own modules. Steps take each layer's slice inside their graph, so the
+    buffer is the graph's one mutated input."""
 
     def __init__(self, model, capacity: int, batch_size: int = 1):
         super().__init__()
@@ -151,12 +154,9 @@ class StaticCache(nn.Module):
         self.heads = cfg.num_attention_heads
         self.head_dim = attn.head_dim
         self.capacity = capacity
-        shape = (batch_size, self.kv_heads, capacity, self.head_dim)
-        for i in range(self.num_layers):  # fixed addresses: CUDA graphs replay in place
-            self.register_buffer(f"k{i}", step_state(shape, dtype=weight.dtype, device=weight.device), persistent=False)
-            self.register_buffer(f"v{i}", step_state(shape, dtype=weight.dtype, device=weight.device), persistent=False)
-        self.keys = [getattr(self, f"k{i}") for i in range(self.num_layers)]
-        self.values = [getattr(self, f"v{i}") for i in range(self.num_layers)]
+        shape = (2, self.num_layers, batch_size, self.kv_heads, capacity, self.head_dim)
+        # a fixed address: CUDA graphs replay in place
+        self.register_buffer("kv", step_state(shape, dtype=weight.dtype, device=weight.device), persistent=False)
         self.windows = layer_windows(model)
         self.rope_names = layer_rope_names(model)
         with torch.no_grad():
@@ -166,6 +166,15 @@ class StaticCache(nn.Module):
             self.register_buffer(f"cos{name}", cos[0].contiguous(), persistent=False)  # [capacity, head_dim]
             self.register_buffer(f"sin{name}", sin[0].contiguous(), persistent=False)
         self.fused = FusedWeights(model)
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Each layer's K [batch, kv_heads, capacity, head_dim]: views of `kv`."""
+        return list(self.kv[0].unbind(0))
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return list(self.kv[1].unbind(0))
 
 
 def layer_windows(model) -> list[int | None]:
@@ -298,10 +307,11 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        cache.keys[i].index_copy_(2, slots, k)
-        cache.values[i].index_copy_(2, slots, v)
+        keys, values = cache.kv[0, i], cache.kv[1, i]  # views taken in the graph: `kv` is its input
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v)
         q = q.reshape(B, cache.kv_heads, G * n, d)  # query head j*G + g reads KV head j
-        o = F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=masks[i], scale=attn.scaling)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[i], scale=attn.scaling)
         o = o.view(B, cache.heads, n, d).transpose(1, 2).reshape(B, n, cache.heads * d)
         x = residual_blocks(layer, fused.gate_up[i], x, attn.o_proj(o))
         if i + 1 in hidden_layers and i + 1 < cache.num_layers:
@@ -317,10 +327,9 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
 
 
 def move_entries(cache: StaticCache, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Every layer's entries at slots `src` copied to slots `dst` (gathered first: overlap is fine)."""
-    for k, v in zip(cache.keys, cache.values):
-        k.index_copy_(2, dst, k.index_select(2, src))
-        v.index_copy_(2, dst, v.index_select(2, src))
+    """Every layer's entries at slots `src` copied to slots `dst` (gathered first: overlap is fine):
+    two kernels for the whole model, the cache being one tensor."""
+    cache.kv.index_copy_(4, dst, cache.kv.index_select(4, src))
 
 
 def verify_step(model, cache: StaticCache, tokens: torch.Tensor, start: torch.Tensor, parent: torch.Tensor | None = None,

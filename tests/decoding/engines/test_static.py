@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import greedy_reference, tiny_gemma3
+from tiny import greedy_reference, tiny_gemma3, tiny_lm
 
 from drafttrain.decoding import (
     EagerLM,
@@ -310,3 +310,20 @@ def test_real_gemma3_first_layers_equal_transformers():
         logits, _ = lm.forward(torch.tensor(text[520:540]))
         want = model(torch.tensor([text[:508] + text[520:540]]), logits_to_keep=20).logits[0]
         torch.testing.assert_close(logits, want, rtol=0, atol=1e-9)
+
+
+def test_the_cache_is_one_tensor_and_moving_entries_is_two_ops_whatever_the_depth():
+    """Compaction moves every layer's entries with one gather and one scatter (issue 36: not four
+    kernels per layer), and equals moving each layer's entries one by one."""
+    from drafttrain.decoding.engines.overhead import count_overhead
+    from drafttrain.decoding.engines.static import move_entries
+
+    for layers in (2, 4):
+        lm = StaticLM(tiny_lm(0, vocab_size=64, layers=layers), max_length=16)
+        lm.forward(torch.tensor([3, 5, 7, 9, 11, 13]))
+        reference = [k[:, :, [0, 4, 5]].clone() for k in lm.cache.keys]
+        src, dst = torch.tensor([0, 4, 5]), torch.tensor([1, 2, 3])
+        with count_overhead() as counts:
+            move_entries(lm.cache, src, dst)
+        assert counts.eager_ops == 2
+        assert all(torch.equal(k[:, :, 1:4], r) for k, r in zip(lm.cache.keys, reference))
