@@ -63,11 +63,16 @@ def static_capacity(entries: int) -> int:
 
 
 def raise_compile_limits() -> None:
-    """One graph per (shape, hidden layers, batch): well past dynamo's default of 8 per function."""
+    """Room for every graph a process compiles, well past dynamo's default of 8 per code object.
+    Each compiled step is a `functools.partial`, which dynamo enters through torch's one wrapper
+    frame: every step of the process (each engine's verification, prefill and step sizes, every
+    draft's feed and next-draft graphs) is a cache entry of that ONE code object, so a process that
+    builds many decoders (a compare with plans, a test session) holds hundreds. Recompiles after
+    warm-up are caught otherwise (`tests/decoding/test_overhead.py` makes them an error)."""
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4096)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 8192)
 
 
 def compile_cache_dir(device) -> str:

@@ -164,3 +164,20 @@ def test_state_a_step_writes_in_place_is_never_an_inference_tensor():
         for t in state:
             t.copy_(torch.ones_like(t))  # the autotuner's restore, outside inference mode
     assert all(bool(t.all()) for t in state)
+
+
+def test_a_process_compiles_hundreds_of_steps(monkeypatch):
+    """Every compiled step is a partial that dynamo enters through one wrapper frame, so all steps
+    of a process share that code object's cache: the full test session hit dynamo's limit of 64
+    entries there (a `fullgraph` step then raises). 200 steps of distinct functions and shapes
+    each compile once and run."""
+    import functools
+
+    monkeypatch.setenv("DRAFTTRAIN_COMPILE_BACKEND", "eager")
+
+    def scaled(factor, x):
+        return x * factor + 1
+
+    for i in range(200):
+        step = CompiledStep(functools.partial(scaled, i), torch.device("cpu"))
+        assert torch.equal(step(torch.ones(1 + i % 7)), torch.full((1 + i % 7,), float(i + 1)))
