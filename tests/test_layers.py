@@ -3,7 +3,8 @@ as LAYERS lists them from the bottom: basics -> models and exports -> decoding -
 bench -> data and losses -> training -> the command line. So the recipes' data and training sit
 on top of evaluation (a recipe evaluates its drafter), and lower layers stay usable without the
 higher ones. Read from the source with `ast`, imports inside functions
-included."""
+included; imports under `if TYPE_CHECKING:` are annotations' only (a drafter kind's methods name the
+factory's `DecodeSettings`) and never run, so they are not counted."""
 
 from __future__ import annotations
 
@@ -39,7 +40,11 @@ def imports(path: Path, root: Path) -> list[str]:
     module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if is_type_checking(block) for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -53,6 +58,13 @@ def imports(path: Path, root: Path) -> list[str]:
         elif isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.startswith("drafttrain.")]
     return found
+
+
+def is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) without an else: imports for annotations only."""
+    test = getattr(node, "test", None)
+    name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else None
+    return isinstance(node, ast.If) and name == "TYPE_CHECKING" and not node.orelse
 
 
 def module_unit(path: Path, root: Path) -> str:
@@ -131,6 +143,18 @@ def test_decoding_modules_import_only_lower_concerns():
     names = {decoding_unit(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"))
              for p in (PACKAGE / "decoding").rglob("*.py")}
     assert all(any(n in layer for layer in DECODING_LAYERS) for n in names), names
+
+
+def test_imports_for_annotations_only_are_not_counted(tmp_path):
+    root = tmp_path / "drafttrain"
+    (root / "decoding" / "drafters").mkdir(parents=True)
+    (root / "decoding" / "drafters" / "kind.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..factory import DecodeSettings\n"
+        "else:\n    from ..factory import build_decoder\n")
+    (root / "decoding" / "drafters" / "ngram.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..factory import DecodeSettings\n")
+    found = decoding_violations(root)  # the else branch runs: both of kind.py's imports count, none of ngram's
+    assert found == ["drafttrain/decoding/drafters/kind.py imports drafttrain.decoding.factory"] * 2
 
 
 def test_the_decoding_check_finds_an_engine_that_imports_a_drafter(tmp_path):
