@@ -1,14 +1,18 @@
 """Drafter kinds are declared once (`decoding/drafters/<kind>.py`, listed in `drafters.REGISTRY`):
 the factory, the planner and evaluation read the registry and never name a kind themselves.
 Read from the source with `ast`: a kind's name, flag or vLLM method as a string, an attribute of a
-kind's flag (`cfg.heads`), or an import of a kind's module is a module naming a kind."""
+kind's flag (`cfg.heads`), or an import of a kind's module is a module naming a kind. Each kind is a
+`DrafterKind` subclass of typed methods, no table of lambdas."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
-from drafttrain.decoding.drafters import REGISTRY
+import pytest
+
+from drafttrain.decoding.drafters import LOOKUPS, REGISTRY, Drafter, DrafterKind
 
 PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
 READERS = [PACKAGE / "decoding" / "factory.py", PACKAGE / "planning.py", *sorted((PACKAGE / "evaluation").glob("*.py"))]
@@ -64,3 +68,54 @@ def test_every_kind_is_registered_once_with_a_builder():
     names = [k.name for k in REGISTRY]
     assert len(names) == len(set(names)) and all(callable(k.build) for k in REGISTRY)
     assert "suffix" in names
+
+
+def kind_methods(kind) -> dict:
+    """The methods a kind's class (or a base between it and `DrafterKind`) defines, by name."""
+    return {name: value for cls in type(kind).__mro__[:-2] for name, value in vars(cls).items()
+            if callable(value) and not name.startswith("__")}
+
+
+def test_every_kind_is_its_own_subclass_declaring_only_what_the_base_knows():
+    assert len({type(k) for k in REGISTRY}) == len(REGISTRY)
+    for kind in REGISTRY:
+        assert isinstance(kind, DrafterKind) and type(kind) is not DrafterKind and kind.name, kind
+        own = {n for n in vars(type(kind)) if not n.startswith("_")}
+        assert own <= set(dir(DrafterKind)), f"{kind.name}: unknown {sorted(own - set(dir(DrafterKind)))}"
+        assert "build" in kind_methods(kind), kind.name
+
+
+def test_no_kind_is_a_table_of_lambdas():
+    for kind in REGISTRY:
+        assert "lambda" not in inspect.getsource(type(kind)), kind.name
+        for name, method in kind_methods(kind).items():
+            assert inspect.isfunction(method) and method.__name__ == name, f"{kind.name}.{name}"
+
+
+def typed_methods() -> list:
+    """Every method of the base and of each kind, but `__dunder__`s."""
+    return [(cls.__name__, name, value) for cls in {DrafterKind, *map(type, REGISTRY)}
+            for name, value in vars(cls).items() if inspect.isfunction(value) and not name.startswith("__")]
+
+
+def test_every_method_is_typed_and_says_what_it_returns():
+    for owner, name, method in typed_methods():
+        params = list(inspect.signature(method).parameters.values())[1:]  # but self
+        where = f"{owner}.{name}"
+        assert all(p.annotation is not inspect.Parameter.empty for p in params), where
+        assert inspect.signature(method).return_annotation is not inspect.Signature.empty, where
+        assert (method.__doc__ or "").strip(), where
+
+
+def test_supports_tells_a_kind_with_its_own_method_from_the_default():
+    served = {k.name for k in REGISTRY if k.supports("vllm")}
+    assert served == {"draft", "parallel_draft", "ngram", "suffix", "medusa", "eagle3"}
+    assert {k.name for k in REGISTRY if k.supports("lookup")} == set(LOOKUPS) == {"ngram", "suffix"}
+    assert {k.name for k in REGISTRY if k.supports("tree")} == {"medusa", "eagle3"}
+    for kind in REGISTRY:  # what the base returns for a kind without its own
+        if not kind.supports("vllm"):
+            drafter = Drafter(kind.name)
+            assert kind.vllm(None, 4, drafter, None) is None and kind.vllm_forwards(4, drafter) == 0
+    for bad in ("build", "supports", "name", "nothing"):
+        with pytest.raises(AttributeError):
+            REGISTRY[0].supports(bad)

@@ -63,7 +63,7 @@ class DecodeSettings:
 def tree_choice(drafter: Drafter, s: DecodeSettings) -> tuple[str, list | str] | None:
     """(the tree's name for reports, paths or "dynamic") a tree drafter verifies, or None for a
     chain: the drafter's kind decides (`DrafterKind.tree`)."""
-    return kind_of(drafter.kind).tree_choice(drafter, s)
+    return kind_of(drafter.kind).tree(drafter, s)
 
 
 def tree_name(drafter: Drafter, s: DecodeSettings) -> str | None:
@@ -75,7 +75,7 @@ def tree_name(drafter: Drafter, s: DecodeSettings) -> str | None:
     tree = tree_choice(drafter, s)
     if tree is not None:
         return tree[0]
-    if kind_of(drafter.kind).tree is not None:  # a tree kind drafting a chain
+    if kind_of(drafter.kind).supports("tree"):  # a tree kind drafting a chain
         return "chain" if s.temperature == 0 else "chain (sampling)"
     return None
 

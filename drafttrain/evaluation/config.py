@@ -24,7 +24,7 @@ def _or(items: list[str]) -> str:
 
 def lookups() -> list:
     """Kinds whose chain a model drafter may verify beside its own (--ngram, compare's +ngram)."""
-    return [kind for kind in REGISTRY if kind.lookup is not None]
+    return [kind for kind in REGISTRY if kind.supports("lookup")]
 
 
 def drafter_fields() -> dict[str, tuple[str, object]]:
@@ -132,7 +132,7 @@ class EvalConfig:
         if self.tree not in TREE_CHOICES:
             read_tree_file(self.tree)
         kind = BY_NAME[self.drafter_kind]
-        if self.tree == "dynamic" and kind.tree is not None and not kind.grows_trees:
+        if self.tree == "dynamic" and kind.supports("tree") and not kind.grows_trees:
             growers = _or([flag_name(k.flag) + " DIR" for k in flagged() if k.grows_trees])
             raise UserError(f"--tree dynamic grows a tree with a drafter that grows its own ({growers}); "
                             f"{flag_name(kind.flag)} uses auto, default, chain or a tree file")
@@ -230,7 +230,7 @@ def check_servable(cfg: EvalConfig) -> None:
     if cfg.hybrid:
         raise UserError(f"{where}: vLLM cannot verify a drafter and {cfg.hybrid} lookup as one tree (+{cfg.hybrid}); "
                         f"serve the drafter or {cfg.hybrid} lookup alone")
-    if BY_NAME[cfg.drafter_kind].tree is not None and cfg.tree not in ("auto", "chain"):
+    if BY_NAME[cfg.drafter_kind].supports("tree") and cfg.tree not in ("auto", "chain"):
         raise UserError(f"{where}: vLLM serves tree drafters as a chain of K drafts, not the --tree {cfg.tree} tree "
                         "(EAGLE-2's dynamic tree included); use --tree chain")
     if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):

@@ -55,9 +55,7 @@ def attach_drafter(models: LoadedModels, cfg: EvalConfig) -> LoadedModels:
     """`models` (a copy) with cfg's drafter loaded from its export by its kind, after checking it
     fits the target; a drafter without weights needs no loading."""
     kind = BY_NAME[cfg.drafter_kind]
-    drafter = Drafter(kind.name)
-    if kind.load is not None:
-        drafter = kind.load(cfg.drafter_path, models.target, models.tokenizer, models.device, models.target.dtype)
+    drafter = kind.load(cfg.drafter_path, models.target, models.tokenizer, models.device, models.target.dtype)
     models = replace(models, drafter=drafter)
     check_tree_fits(cfg, models)
     return models
@@ -69,7 +67,7 @@ def check_tree_fits(cfg: EvalConfig, models: LoadedModels) -> None:
     is loaded, before any prompt is decoded."""
     drafter = models.drafter
     kind = BY_NAME[drafter.kind]
-    if kind.tree_vocab is None or not cfg.greedy:  # a chain (sampling always runs one)
+    if not kind.supports("tree_vocab") or not cfg.greedy:  # a chain (sampling always runs one)
         return
     tree = tree_choice(drafter, cfg.decode_settings(k=cfg.max_draft_tokens, nodes=cfg.max_tree_nodes))
     if tree is None:
@@ -99,7 +97,6 @@ def bind_engine(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: lis
     target_lm = cached_lm(models[0].target, first.engine, max_length=max_length)
     for cfg, m, s in zip(cfgs, models, widest):
         m.target_lm = target_lm
-        bind = BY_NAME[m.drafter.kind].bind
-        if bind is not None:  # a draft model on its own cached LM; an EAGLE-3 draft beside the target
-            m.drafter = bind(m.drafter, target_lm, cfg.engine, max_length, s)
+        # a draft model on its own cached LM; an EAGLE-3 draft beside the target; the rest unchanged
+        m.drafter = BY_NAME[m.drafter.kind].bind(m.drafter, target_lm, cfg.engine, max_length, s)
     return target_lm.engine

@@ -210,7 +210,7 @@ def drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], accep
     """The drafter's share of a step drafting k = 0 .. max_k tokens at the end of `ids` (a hybrid's
     lookup included), and any noise warnings: a lookup's host time, or the kind's own step."""
     kind = BY_NAME[models.drafter.kind]
-    if kind.lookup is not None:
+    if kind.supports("lookup"):
         return lookup_seconds(cfg, kind.name, ids, max_k), []
     seconds, noise = model_drafter_seconds(cfg, models, ids, acceptance, max_k)
     if cfg.hybrid:  # a hybrid also looks up its lookup's branch every step
@@ -222,8 +222,6 @@ def model_drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int],
                           max_k: int) -> tuple[list[float], list[str]]:
     """A model drafter's own step drafting k = 0 .. max_k, as its kind times it (`step_seconds`)."""
     kind = BY_NAME[models.drafter.kind]
-    if kind.step_seconds is None:
-        return [0.0] * (max_k + 1), []
     target_lm = models.target_lm or as_cached_lm(models.target)
     return kind.step_seconds(models.drafter, target_lm, ids, max_k, acceptance.per_position, ROUND_REPEATS)
 
@@ -232,7 +230,7 @@ def draft_forwards(cfg: EvalConfig, models: LoadedModels, acceptance: Acceptance
                    max_k: int) -> list[tuple[int, int]] | None:
     """(forwards, tokens each) of a model drafter drafting k = 1 .. max_k, for `planning.implausible`."""
     kind = BY_NAME[models.drafter.kind]
-    return kind.draft_forwards(models.drafter, max_k, acceptance.per_position) if kind.draft_forwards else None
+    return kind.draft_forwards(models.drafter, max_k, acceptance.per_position)
 
 
 def verified_layers(cfg: EvalConfig, models: LoadedModels, settings: DecodeSettings) -> tuple[int, ...]:
@@ -288,8 +286,8 @@ def trusted_chain_costs(cfg: EvalConfig, models: LoadedModels, probes: list[list
 
 def no_tree_reason(cfg: EvalConfig) -> str | None:
     """Why this drafter verifies no tree, for `--tree-nodes auto` to say (None: it may verify one)."""
-    if BY_NAME[cfg.drafter_kind].tree is None:
-        trees = ", ".join(f"--{k.flag}" for k in BY_NAME.values() if k.tree is not None)
+    if not BY_NAME[cfg.drafter_kind].supports("tree"):
+        trees = ", ".join(f"--{k.flag}" for k in BY_NAME.values() if k.supports("tree"))
         return f"{cfg.drafter_name} drafts a chain (only tree drafters verify trees: {trees})"
     if not cfg.greedy:
         return f"{cfg.drafter_name} drafts a chain when sampling (trees are verified greedily: --temperature 0)"
@@ -334,7 +332,7 @@ def plan_drafter(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]],
 def tree_settings(cfg: EvalConfig, models: LoadedModels) -> tuple[list[int], list[int], list[int], bool]:
     """(depths, node budgets, top-ks) a tree plan weighs, and whether the tree is EAGLE-2's dynamic one."""
     kind = BY_NAME[models.drafter.kind]
-    deepest = min(cfg.max_draft_tokens, kind.depth_limit(models.drafter) if kind.depth_limit else cfg.max_draft_tokens)
+    deepest = min(cfg.max_draft_tokens, kind.depth_limit(models.drafter) or cfg.max_draft_tokens)
     depths = list(range(1, deepest + 1)) if cfg.num_draft_tokens == "auto" else [deepest]
     shape = tree_choice(models.drafter, cfg.decode_settings(k=deepest, nodes=cfg.max_tree_nodes))[1]
     dynamic = shape == "dynamic"
@@ -495,7 +493,7 @@ def export_plans(target, acceptance: list[float], probe: list[int], *, where: st
 
     drafter = trained_drafter(**exported)
     kind = BY_NAME[drafter.kind]
-    limit = kind.depth_limit(drafter) if kind.depth_limit else PLAN_MAX_K
+    limit = kind.depth_limit(drafter) or PLAN_MAX_K
     max_k = min(PLAN_MAX_K, len(acceptance), limit)
     if max_k == 0:
         return {}

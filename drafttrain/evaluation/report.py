@@ -264,7 +264,7 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
         "tau = mean accepted length = new tokens / target forward passes (plain decoding: 1.0). "
         "Speedup = speculative tokens/s ÷ baseline tokens/s, both measured in this run on the same prompts.",
         "",
-        *(line for kind in REGISTRY if kind.report_note for line in kind.report_note(report)),
+        *(line for kind in REGISTRY for line in kind.report_note(report)),
         "## Overall" + (" and by category" if len(report["by_category"]) > 1 else ""),
         "",
         metrics_table(categories_shown(report)),

@@ -93,8 +93,8 @@ def check_tree_used(cfgs: list[EvalConfig]) -> None:
     """--tree shapes only a tree drafter's steps (Medusa heads', EAGLE-3 drafts'): given for a run
     with none, it would be silently ignored, so it is an error (auto, the default, always fits)."""
     tree = cfgs[0].tree
-    if tree != "auto" and not any(BY_NAME[cfg.drafter_kind].tree is not None for cfg in cfgs):
-        trees = ", ".join(f"--{k.flag}" for k in flagged() if k.tree is not None)
+    if tree != "auto" and not any(BY_NAME[cfg.drafter_kind].supports("tree") for cfg in cfgs):
+        trees = ", ".join(f"--{k.flag}" for k in flagged() if k.supports("tree"))
         drafters = ", ".join(sorted({f"--method {c.method}" if c.method else f"--{BY_NAME[c.drafter_kind].flag}"
                                      for c in cfgs}))
         raise UserError(f"--tree {tree} shapes the steps of tree drafters ({trees}), not of {drafters}; leave --tree "

@@ -53,16 +53,16 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
     if k and cfg.backend == "drafttrain":  # vLLM's step costs are its own: no prediction from ours
         # a lookup's or heads' step costs next to nothing beside a target forward
         target_lm = models.target_lm or as_cached_lm(models.target)
-        cost = kind.cost_ratio(drafter, target_lm, probe.ids, k) if kind.cost_ratio else 0.0
+        cost = kind.cost_ratio(drafter, target_lm, probe.ids, k)
     num = numerics(models.dtype_name)
     kwargs = {"cost_ratio": cost, "near_tie_tolerance": num["near_tie_tolerance"]}
     overall = compute_metrics(results, k, cfg.greedy, **kwargs)
     mem, mem_kind = peak_memory(models.device)
     overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
     tree = getattr(decoder, "tree_name", None)  # None: a chain drafter, or a plan of no speculation
-    if tree is not None and (kind.tree is not None or cfg.hybrid):  # a served chain is no tree drafter's
+    if tree is not None and (kind.supports("tree") or cfg.hybrid):  # a served chain is no tree drafter's
         overall["tree"] = tree
-    blocks = kind.report(drafter, decoder, overall) if kind.report else {}  # the kind's own, e.g. its export's record
+    blocks = kind.report(drafter, decoder, overall)  # the kind's own, e.g. its export's record
     return {
         "drafter": cfg.drafter_name,
         # SPEC §2 rev 2: config.engine is the engine used; what was asked for is engine.requested.

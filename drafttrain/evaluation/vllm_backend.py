@@ -72,7 +72,7 @@ def speculative_config(cfg: EvalConfig, k: int, drafter: Drafter | None = None) 
     check_servable(cfg)
     drafter = drafter or Drafter(cfg.drafter_kind)
     kind = BY_NAME[drafter.kind]
-    if k == 0 or kind.vllm is None:
+    if k == 0 or not kind.supports("vllm"):
         return None
     try:
         return kind.vllm(cfg.drafter_path, k, drafter, cfg.decode_settings(k=k, nodes=cfg.max_tree_nodes))

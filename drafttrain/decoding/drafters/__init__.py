@@ -1,8 +1,10 @@
 """Drafters, one file per kind: where a decoder's drafts come from. Each file declares its kind
-once (`KIND = DrafterKind(...)`, `kind.py`): its flag, how it loads and binds to an engine, how
-its decoder is built, its tree, its costs for the planner and its vLLM method. `REGISTRY` below is
-the one list of kinds that the factory, eval/compare, the planner, the reports and the vLLM
-backend read; a new kind is one file here and one line in it.
+once, a subclass of `DrafterKind` (`kind.py`) and its one instance `KIND`: class attributes for its
+name, flag and help, and typed methods for how it loads and binds to an engine, how its decoder is
+built, its tree, its costs for the planner and its vLLM method (the base's defaults where it has
+none; `supports(name)` says which it has). `REGISTRY` below is the one list of kinds that the
+factory, eval/compare, the planner, the reports and the vLLM backend read; a new kind is one file
+here and one line in it.
 
 - `plain`: the target alone (K = 0), the baseline;
 - `draft_lm`: a small same-family LM drafting K tokens in a row on its own cached LM;
@@ -29,7 +31,7 @@ REGISTRY: list[DrafterKind] = [plain.KIND, draft_lm.KIND, parallel_lm.KIND, ngra
                                medusa.KIND, eagle3.KIND]
 
 BY_NAME = {kind.name: kind for kind in REGISTRY}
-LOOKUPS = [kind.name for kind in REGISTRY if kind.lookup is not None]  # +NAME hybrids, --ngram's first
+LOOKUPS = [kind.name for kind in REGISTRY if kind.supports("lookup")]  # +NAME hybrids, --ngram's first
 
 
 def kind_of(name: str) -> DrafterKind:

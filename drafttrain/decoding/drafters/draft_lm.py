@@ -16,19 +16,23 @@ one forward per token (a sampled draft draws from a generator and returns its q)
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 from statistics import median
 
 import torch
 
 from ...planning import noisy
 from ...tokens import output_vocab_size
-from ..chain import Proposer
-from ..engines import StaticLM, as_cached_lm, cached_lm, device_tensor
+from ..chain import ChainDecoder, Proposer
+from ..engines import CachedLM, StaticLM, as_cached_lm, cached_lm, device_tensor
 from ..engines.compiled import WARMUP_RUNS, CompiledStep, timed_warmup
 from ..engines.static import static_step
 from ..timing import forward_curve, single_token_seconds
 from ..verify import probabilities, sample
 from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, per_token
+
+if TYPE_CHECKING:
+    from ..factory import DecodeSettings
 
 
 def target_vocab_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -200,50 +204,61 @@ def draft_lm_drafter(model, info: dict | None = None) -> Drafter:
     return Drafter("parallel_draft", model, parallel) if parallel else Drafter("draft", model)
 
 
-def load_draft_lm(path: str, target, tokenizer, device, dtype) -> Drafter:
-    """A draft LM with the target's tokenizer, checked against the target (one `error:` line)."""
-    from ...models import load_causal_lm, load_tokenizer
-    from ...parallel import check_parallel_config
-    from ...preflight import compatibility_checks, require_compatible
+class DraftLMKind(DrafterKind):
+    """A draft LM drafting K tokens in a row on its own cached LM (`--draft DIR`)."""
 
-    draft_tok = load_tokenizer(path, "draft")
-    model = load_causal_lm(path, dtype, device, "draft")
-    check_parallel_config(model, path)
-    require_compatible(compatibility_checks(target, tokenizer, model, draft_tok))
-    return draft_lm_drafter(model)
+    name, flag, help = "draft", "draft", "Draft model: a directory or hub id with the target's tokenizer."
+    takes_lookup, sglang, replay, replay_default = True, "STANDALONE", "tokens", True
 
+    def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
+        """A chain decoder of the draft LM's K tokens in a row, in the target's vocabulary."""
+        proposer = DraftModelProposer(d.model, output_vocab_size(target.model), s.temperature, s.top_p, s.generator,
+                                      s.num_draft_tokens)
+        return chain_decoder(target, proposer, s)
 
-def bind_draft_lm(drafter: Drafter, target_lm, engine: str, max_length: int, s) -> Drafter:
-    """The draft LM on its own cached LM (`--engine`; auto: eager where static cannot run it)."""
-    return Drafter(drafter.kind, cached_lm(drafter.model, engine, max_length=max_length), drafter.info)
+    def load(self, path: str | None, target: torch.nn.Module, tokenizer: object, device: torch.device,
+             dtype: torch.dtype) -> Drafter:
+        """A draft LM with the target's tokenizer, checked against the target (one `error:` line)."""
+        from ...models import load_causal_lm, load_tokenizer
+        from ...parallel import check_parallel_config
+        from ...preflight import compatibility_checks, require_compatible
 
+        draft_tok = load_tokenizer(path, "draft")
+        model = load_causal_lm(path, dtype, device, "draft")
+        check_parallel_config(model, path)
+        require_compatible(compatibility_checks(target, tokenizer, model, draft_tok))
+        return draft_lm_drafter(model)
 
-def draft_lm_seconds(drafter: Drafter, target_lm, ids: list[int], max_k: int, acceptance,
+    def bind(self, d: Drafter, target_lm: CachedLM, engine: str, max_length: int, s: DecodeSettings) -> Drafter:
+        """The draft LM on its own cached LM (`--engine`; auto: eager where static cannot run it)."""
+        return Drafter(d.kind, cached_lm(d.model, engine, max_length=max_length), d.info)
+
+    def step_seconds(self, d: Drafter, target_lm: CachedLM, ids: list[int], max_k: int, acceptance: list[float],
                      repeats: int) -> tuple[list[float], list[str]]:
-    """One forward per draft token: k of them to draft k."""
-    curve = forward_curve(as_cached_lm(drafter.model), ids, 1, repeats=repeats)
-    return per_token(median(curve[0]), max_k), noisy(curve)
+        """One forward per draft token: k of them to draft k."""
+        curve = forward_curve(as_cached_lm(d.model), ids, 1, repeats=repeats)
+        return per_token(median(curve[0]), max_k), noisy(curve)
+
+    def draft_forwards(self, d: Drafter, max_k: int, acceptance: list[float]) -> list[tuple[int, int]]:
+        """k forwards of one token each to draft k."""
+        return [(k, 1) for k in range(1, max_k + 1)]
+
+    def cost_ratio(self, d: Drafter, target_lm: CachedLM, ids: list[int], k: int) -> float:
+        """One draft LM forward over one target forward, each of one token."""
+        return single_token_seconds(as_cached_lm(d.model), ids) / single_token_seconds(target_lm, ids)
+
+    def gpu_costs(self, d: Drafter, target: torch.nn.Module, max_k: int) -> list[float]:
+        """One forward per draft token, each costing the draft's share of the target's parameters."""
+        return per_token(parameter_share(d.model, target), max_k)
+
+    def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
+        """vLLM's draft model at `path` (with its parallel drafting for a parallel draft)."""
+        spec = {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+        return {**spec, "parallel_drafting": True} if d.kind == "parallel_draft" else spec
+
+    def vllm_forwards(self, k: int, d: Drafter) -> int:
+        """One draft forward per draft token."""
+        return k
 
 
-def draft_lm_cost(drafter: Drafter, target_lm, ids: list[int], k: int) -> float:
-    return single_token_seconds(as_cached_lm(drafter.model), ids) / single_token_seconds(target_lm, ids)
-
-
-def _draft_lm(target, drafter, s):
-    proposer = DraftModelProposer(drafter.model, output_vocab_size(target.model), s.temperature, s.top_p,
-                                  s.generator, s.num_draft_tokens)
-    return chain_decoder(target, proposer, s)
-
-
-def served_path(path: str, k: int, drafter: Drafter, s) -> dict:
-    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": k}
-    return {**spec, "parallel_drafting": True} if drafter.kind == "parallel_draft" else spec
-
-
-KIND = DrafterKind(
-    "draft", _draft_lm, flag="draft", help="Draft model: a directory or hub id with the target's tokenizer.",
-    load=load_draft_lm, bind=bind_draft_lm, takes_lookup=True, step_seconds=draft_lm_seconds,
-    draft_forwards=lambda d, max_k, acceptance: [(k, 1) for k in range(1, max_k + 1)], cost_ratio=draft_lm_cost,
-    gpu_costs=lambda d, target, max_k: per_token(parameter_share(d.model, target), max_k),
-    vllm=served_path, vllm_forwards=lambda k, d: k, sglang="STANDALONE", replay="tokens",
-    replay_default=True)
+KIND = DraftLMKind()

@@ -23,18 +23,24 @@ tree drafter below hold it directly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...eagle3.model import DraftStep, Eagle3Draft
 from ...trees import Path, Tree, best_first, check_paths, resolve_tree, static_tree, tree_from_parents
 from ..chain import ChainDecoder, Proposer
-from ..engines import StaticLM, as_cached_lm, device_tensor
+from ..engines import CachedLM, StaticLM, as_cached_lm, device_tensor
 from ..timing import single_token_seconds, timed
 from ..tree import TreeDecoder, TreeDrafter
 from ..verify import Greedy, Sampled, probabilities, sample
 from .eagle3_cache import CachedEagle3Draft, as_cached_draft
 from .eagle3_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count
 from .kind import Drafter, DrafterKind, parameter_share, per_token, require_finite
+
+if TYPE_CHECKING:
+    from ..factory import DecodeSettings
+    from ..loop import Decoder
 
 
 class Eagle3Proposer(Proposer):
@@ -326,27 +332,6 @@ def cached_draft_for(target_lm, draft: Eagle3Draft, *, num_draft_tokens: int, tr
                              compile=target_lm.compile if compile is None else compile)
 
 
-def eagle3_tree(drafter: Drafter, s) -> tuple[str, list | str] | None:
-    """Greedy: EAGLE-2's dynamic tree unless --tree names another (auto: dynamic); sampling and
-    --tree chain draft a chain (None)."""
-    if s.temperature > 0 or s.tree == "chain":
-        return None
-    name, paths = resolve_tree(s.tree, s.num_draft_tokens, auto="dynamic", nodes=s.tree_nodes)
-    return (f"dynamic ({s.dynamic_nodes} nodes, top-{s.tree_topk})" if paths == "dynamic" else name), paths
-
-
-def load_eagle3_draft(path: str, target, tokenizer, device, dtype) -> Drafter:
-    """An EAGLE-3 draft checked against the target, reading the target's embeddings."""
-    from ...eagle3.export import load_eagle3
-
-    draft, info = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)
-    require_finite(draft, "EAGLE-3 draft", path)
-    draft.attach_embeddings(target.get_input_embeddings())
-    draft.eval()
-    return Drafter("eagle3", draft, {"aux_layer_ids": list(info.aux_layer_ids),
-                                     "draft_vocab_size": info.draft_vocab_size, **(info.config.get("drafttrain") or {})})
-
-
 def eagle3_step_seconds(draft: Eagle3Draft | CachedEagle3Draft, target_lm, prompt: list[int],
                         repeats: int = 10) -> float:
     """Median time of one EAGLE-3 chain drafting step (one token through the draft layer and its
@@ -367,40 +352,85 @@ def eagle3_step_seconds(draft: Eagle3Draft | CachedEagle3Draft, target_lm, promp
     return timed(step, repeats, target_lm.device, after=lambda: cached.rollback(cached.length - 1))
 
 
-def _bind(drafter: Drafter, target_lm, engine: str, max_length: int, s) -> Drafter:
-    """The draft layer follows the target: static (compiled) beside static."""
-    cached = cached_draft_for(target_lm, drafter.model, num_draft_tokens=s.num_draft_tokens,
-                              tree_nodes=s.dynamic_nodes, tree_topk=s.tree_topk)
-    return Drafter(drafter.kind, cached, drafter.info)
+class Eagle3Kind(DrafterKind):
+    """An EAGLE-3 draft reading the target's features (`--eagle3 DIR`): a chain or EAGLE-2's tree."""
+
+    name, flag = "eagle3", "eagle3"
+    help = "EAGLE-3 draft directory (SGLang's / vLLM's layout) trained on this target."
+    grows_trees, takes_lookup, sglang, replay = True, True, "EAGLE3", "features"
+
+    def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder | TreeDecoder:
+        """`eagle3_decoder` of the draft with its tree (`tree`; None: a chain) and the run's rule."""
+        tree = self.tree(d, s)
+        return eagle3_decoder(target, d.model, num_draft_tokens=s.num_draft_tokens,
+                              tree="chain" if tree is None else tree[1], tree_nodes=s.dynamic_nodes,
+                              tree_topk=s.tree_topk, rule=s.rule(), eos_token_ids=s.eos_token_ids,
+                              record_margins=s.record_margins)
+
+    def load(self, path: str | None, target: torch.nn.Module, tokenizer: object, device: torch.device,
+             dtype: torch.dtype) -> Drafter:
+        """An EAGLE-3 draft checked against the target, reading the target's embeddings."""
+        from ...eagle3.export import load_eagle3
+
+        draft, info = load_eagle3(path, device=device, dtype=dtype, target_config=target.config)
+        require_finite(draft, "EAGLE-3 draft", path)
+        draft.attach_embeddings(target.get_input_embeddings())
+        draft.eval()
+        return Drafter("eagle3", draft, {"aux_layer_ids": list(info.aux_layer_ids),
+                                         "draft_vocab_size": info.draft_vocab_size,
+                                         **(info.config.get("drafttrain") or {})})
+
+    def bind(self, d: Drafter, target_lm: CachedLM, engine: str, max_length: int, s: DecodeSettings) -> Drafter:
+        """The draft layer follows the target: static (compiled) beside static."""
+        cached = cached_draft_for(target_lm, d.model, num_draft_tokens=s.num_draft_tokens,
+                                  tree_nodes=s.dynamic_nodes, tree_topk=s.tree_topk)
+        return Drafter(d.kind, cached, d.info)
+
+    def tree(self, d: Drafter, s: DecodeSettings) -> tuple[str, list | str] | None:
+        """Greedy: EAGLE-2's dynamic tree unless --tree names another (auto: dynamic); sampling and
+        --tree chain draft a chain (None)."""
+        if s.temperature > 0 or s.tree == "chain":
+            return None
+        name, paths = resolve_tree(s.tree, s.num_draft_tokens, auto="dynamic", nodes=s.tree_nodes)
+        return (f"dynamic ({s.dynamic_nodes} nodes, top-{s.tree_topk})" if paths == "dynamic" else name), paths
+
+    def tree_vocab(self, d: Drafter) -> tuple[int, str]:
+        """The draft's reduced vocabulary: a tree's choices index its top-k."""
+        return d.model.config.draft_vocab_size, "the EAGLE-3 draft's"
+
+    def step_seconds(self, d: Drafter, target_lm: CachedLM, ids: list[int], max_k: int, acceptance: list[float],
+                     repeats: int) -> tuple[list[float], list[str]]:
+        """A chain: one pass of the draft layer per draft token."""
+        return per_token(eagle3_step_seconds(d.model, target_lm, ids, repeats), max_k), []
+
+    def draft_forwards(self, d: Drafter, max_k: int, acceptance: list[float]) -> list[tuple[int, int]]:
+        """k passes of one token each to draft k."""
+        return [(k, 1) for k in range(1, max_k + 1)]
+
+    def cost_ratio(self, d: Drafter, target_lm: CachedLM, ids: list[int], k: int) -> float:
+        """One pass of the draft layer over one target forward."""
+        return eagle3_step_seconds(d.model, target_lm, ids) / single_token_seconds(target_lm, ids)
+
+    def gpu_costs(self, d: Drafter, target: torch.nn.Module, max_k: int) -> list[float]:
+        """One pass per draft token, each its share of the target's parameters (the shared embeddings aside)."""
+        return per_token(parameter_share(d.model, target, skip="embed"), max_k)
+
+    def report(self, d: Drafter, decoder: Decoder, overall: dict) -> dict:
+        """A dynamic tree's nodes; the draft's export record."""
+        if overall.get("tree", "").startswith("dynamic"):
+            overall["tree_nodes"] = decoder.num_tree_nodes
+        return {"eagle3": d.info} if d.info else {}
+
+    def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
+        """vLLM's EAGLE-3 with the draft at `path`."""
+        return {"method": "eagle3", "model": path, "num_speculative_tokens": k}
+
+    def vllm_forwards(self, k: int, d: Drafter) -> int:
+        """One draft pass per draft token."""
+        return k
 
 
-def _seconds(drafter, target_lm, ids, max_k, acceptance, repeats):
-    """A chain: one pass of the draft layer per draft token."""
-    return per_token(eagle3_step_seconds(drafter.model, target_lm, ids, repeats), max_k), []
-
-
-def _report(drafter, decoder, overall) -> dict:
-    if overall.get("tree", "").startswith("dynamic"):
-        overall["tree_nodes"] = decoder.num_tree_nodes
-    return {"eagle3": drafter.info} if drafter.info else {}
-
-
-def _eagle3(target, drafter, s):
-    tree = eagle3_tree(drafter, s)
-    return eagle3_decoder(target, drafter.model, num_draft_tokens=s.num_draft_tokens,
-                          tree="chain" if tree is None else tree[1], tree_nodes=s.dynamic_nodes, tree_topk=s.tree_topk,
-                          rule=s.rule(), eos_token_ids=s.eos_token_ids, record_margins=s.record_margins)
-
-
-KIND = DrafterKind(
-    "eagle3", _eagle3, flag="eagle3", help="EAGLE-3 draft directory (SGLang's / vLLM's layout) trained on this target.",
-    load=load_eagle3_draft, bind=_bind, tree=eagle3_tree, grows_trees=True, takes_lookup=True,
-    tree_vocab=lambda d: (d.model.config.draft_vocab_size, "the EAGLE-3 draft's"), step_seconds=_seconds,
-    draft_forwards=lambda d, max_k, acceptance: [(k, 1) for k in range(1, max_k + 1)],
-    cost_ratio=lambda d, target_lm, ids, k: eagle3_step_seconds(d.model, target_lm, ids) / single_token_seconds(target_lm, ids),
-    gpu_costs=lambda d, target, max_k: per_token(parameter_share(d.model, target, skip="embed"), max_k),
-    sglang="EAGLE3", report=_report, vllm=lambda path, k, d, s: {"method": "eagle3", "model": path, "num_speculative_tokens": k},
-    vllm_forwards=lambda k, d: k, replay="features")
+KIND = Eagle3Kind()
 
 __all__ = ["KIND", "CachedEagle3Draft", "eagle3_decoder", "Eagle3Proposer", "Eagle3TreeDrafter", "cached_draft_for",
            "eagle3_step_seconds"]

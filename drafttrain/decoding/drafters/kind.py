@@ -1,17 +1,27 @@
-"""What a drafter kind declares, once, in its own file (`KIND = DrafterKind(...)`), so that the
-factory, `eval`/`compare`, the planner, the reports and the vLLM backend read it instead of naming
-the kind: a new kind is its file plus one line in `drafters.REGISTRY`.
+"""What a drafter kind declares, once, in its own file (`class NgramKind(DrafterKind)`, then
+`KIND = NgramKind()`), so that the factory, `eval`/`compare`, the planner, the reports and the vLLM
+backend read it instead of naming the kind: a new kind is its file plus one line in
+`drafters.REGISTRY`.
 
-Every field but `name` and `build` is optional: a kind without a flag is not offered on the
-command line (the oracle), one without `tree` drafts a chain, one without `lookup` cannot be
-hung from a model drafter's tree (`+ngram`), one without `vllm` cannot be served, one without
-`replay` is not offered by `drafttrain replay`.
+A kind overrides `build` and whatever else it has; every other method has a default meaning "this
+kind has none", and `supports(name)` says whether a kind has its own: a kind without a flag is not
+offered on the command line (the oracle), one without `tree` drafts a chain, one without `lookup`
+cannot be hung from a model drafter's tree (`+ngram`), one without `vllm` cannot be served, one
+without `replay` is not offered by `drafttrain replay`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..chain import Proposer
+    from ..engines import CachedLM
+    from ..factory import DecodeSettings
+    from ..loop import Decoder
 
 
 @dataclass
@@ -26,44 +36,97 @@ class Drafter:
     info: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
 class DrafterKind:
-    """One drafter kind. Callables take the loaded `Drafter` `d` and the run's `DecodeSettings` `s`."""
+    """One drafter kind: a subclass per kind sets the class attributes it has and overrides `build`
+    and the methods it has. Methods take the loaded `Drafter` `d` and the run's `DecodeSettings` `s`."""
 
-    name: str                                   # Drafter.kind, the report's kind
-    build: Callable                             # (target CachedLM, d, s) -> Decoder
-    drafts: bool = True                         # False: the target alone (K = 0), the baseline
-    flag: str | None = None                     # eval's flag and compare's prefix for an export: --draft DIR
-    method: bool = False                        # a drafter without weights: --method NAME, compare NAME=NAME
-    help: str = ""                              # the flag's --help text, or the method's description
-    label: str = ""                             # what reports call a lookup's branch: "n-gram"
-    load: Callable | None = None                # (path, target, tokenizer, device, dtype) -> d, checked
-    bind: Callable | None = None                # (d, target_lm, engine, k, nodes, topk) -> d on its engine
-    tree: Callable | None = None                # (d, s) -> (name, paths | "dynamic") | None for a chain
-    tree_vocab: Callable | None = None          # d -> (vocabulary a tree's choices index, whose)
-    depth_limit: Callable | None = None         # d -> the deepest tree it drafts (Medusa: its heads)
-    grows_trees: bool = False                   # its cache is sized for any tree it may grow
-    takes_lookup: bool = False                  # joins a lookup's chain to its own (+ngram), greedy
-    lookup: Callable | None = None              # s -> a `LookupProposer`: hung from a model's tree
-    planned_from_walks: bool = False            # greedy acceptance walked over calibration outputs
-    step_seconds: Callable | None = None        # (d, target_lm, ids, max_k, acceptance) -> [s_0 .. s_max_k], noise
-    draft_forwards: Callable | None = None      # (d, max_k, acceptance) -> [(forwards, tokens each)] per k
-    cost_ratio: Callable | None = None          # (d, target_lm, ids, k) -> a step's cost in target forwards
-    report: Callable | None = None              # (d, decoder, overall) -> report blocks of this kind
-    report_note: Callable | None = None         # report dict -> report.md's lines on this kind's block
-    gpu_costs: Callable | None = None           # (d, target, max_k) -> a step's cost drafting 0 .. max_k, in
-                                                # target forwards, on a GPU at batch 1 (its parameter share)
-    vllm: Callable | None = None                # (path, k, d, s) -> vLLM's speculative_config
-    vllm_forwards: Callable | None = None       # (k, d) -> the drafter's forwards per served step
-    sglang: str | None = None                   # SGLang's --speculative-algorithm for its export, if it serves it
-    replay: str | None = None                   # how `replay` scores its export's greedy acceptance from one
-                                                # forward: "tokens" (its own, a draft LM) or "features" (the
-                                                # target's hidden states); None: not replayed
-    replay_default: bool = False                # `replay --draft NAME=DIR` (no FLAG: prefix) loads this kind
-    served_note: str = ""                       # why vLLM's acceptance may differ from ours (no export involved)
+    name: str = ""                      # Drafter.kind, the report's kind
+    drafts: bool = True                 # False: the target alone (K = 0), the baseline
+    flag: str | None = None             # eval's flag and compare's prefix for an export: --draft DIR
+    method: bool = False                # a drafter without weights: --method NAME, compare NAME=NAME
+    help: str = ""                      # the flag's --help text, or the method's description
+    label: str = ""                     # what reports call a lookup's branch: "n-gram"
+    grows_trees: bool = False           # its cache is sized for any tree it may grow
+    takes_lookup: bool = False          # joins a lookup's chain to its own (+ngram), greedy
+    planned_from_walks: bool = False    # greedy acceptance walked over calibration outputs
+    sglang: str | None = None           # SGLang's --speculative-algorithm for its export, if it serves it
+    replay: str | None = None           # how `replay` scores its export's greedy acceptance from one forward:
+                                        # "tokens" (its own, a draft LM) or "features" (the target's hidden
+                                        # states); None: not replayed
+    replay_default: bool = False        # `replay --draft NAME=DIR` (no FLAG: prefix) loads this kind
+    served_note: str = ""               # why vLLM's acceptance may differ from ours (no export involved)
 
-    def tree_choice(self, drafter: Drafter, s) -> tuple[str, list | str] | None:
-        return self.tree(drafter, s) if self.tree is not None else None
+    def supports(self, name: str) -> bool:
+        """Whether this kind has its own `name` method, not the base's "has none" ("vllm": it is served)."""
+        default = DrafterKind.__dict__.get(name)
+        if not callable(default) or name in ("build", "supports"):
+            raise AttributeError(f"DrafterKind has no optional method {name!r}")
+        return getattr(type(self), name) is not default
+
+    def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> Decoder:
+        """The decoder of `d` on `target` with the run's settings: what every kind must have."""
+        raise NotImplementedError(f"drafter kind {self.name!r} builds no decoder")
+
+    def load(self, path: str | None, target: torch.nn.Module, tokenizer: object, device: torch.device,
+             dtype: torch.dtype) -> Drafter:
+        """The drafter from its export at `path`, checked against the target; without weights, nothing to load."""
+        return Drafter(self.name)
+
+    def bind(self, d: Drafter, target_lm: CachedLM, engine: str, max_length: int, s: DecodeSettings) -> Drafter:
+        """`d` on its engine beside `target_lm` (a draft LM on its own cached LM); unchanged without a model."""
+        return d
+
+    def tree(self, d: Drafter, s: DecodeSettings) -> tuple[str, list | str] | None:
+        """The tree it drafts under `s`, as (name, paths or "dynamic"); None: a chain."""
+        return None
+
+    def tree_vocab(self, d: Drafter) -> tuple[int, str] | None:
+        """(size, whose) of the vocabulary its tree's choices index, to check a tree fits; None: no tree."""
+        return None
+
+    def depth_limit(self, d: Drafter) -> int | None:
+        """The deepest it can draft (Medusa: its heads); None: no limit of its own."""
+        return None
+
+    def lookup(self, s: DecodeSettings) -> Proposer | None:
+        """A lookup proposer to hang from a model drafter's tree (+NAME); None: not a lookup."""
+        return None
+
+    def step_seconds(self, d: Drafter, target_lm: CachedLM, ids: list[int], max_k: int, acceptance: list[float],
+                     repeats: int) -> tuple[list[float], list[str]]:
+        """Its step's seconds drafting k = 0 .. max_k after `ids`, and noise warnings, for the planner; 0: no model."""
+        return [0.0] * (max_k + 1), []
+
+    def draft_forwards(self, d: Drafter, max_k: int, acceptance: list[float]) -> list[tuple[int, int]] | None:
+        """(forwards, tokens each) it runs drafting k = 1 .. max_k, to flag implausible timings; None: no model."""
+        return None
+
+    def cost_ratio(self, d: Drafter, target_lm: CachedLM, ids: list[int], k: int) -> float:
+        """A draft token's cost in target forwards, for the report; 0 without a model."""
+        return 0.0
+
+    def gpu_costs(self, d: Drafter, target: torch.nn.Module, max_k: int) -> list[float]:
+        """A step's cost drafting 0 .. max_k, in target forwards, on a GPU at batch 1 (its parameters); 0: no model."""
+        return [0.0] * (max_k + 1)
+
+    def report(self, d: Drafter, decoder: Decoder, overall: dict) -> dict:
+        """Report blocks of this kind (it may also add to `overall`), e.g. its export's record; none by default."""
+        return {}
+
+    def report_note(self, report: dict) -> list[str]:
+        """report.md's lines on this kind's block of `report`; none by default."""
+        return []
+
+    def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict | None:
+        """vLLM's `speculative_config` serving it at K = `k` drafts a step; None: vLLM cannot serve it."""
+        return None
+
+    def vllm_forwards(self, k: int, d: Drafter) -> int:
+        """The drafter's forwards per step vLLM serves at K = `k`; 0 without a model."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
 def chain_decoder(target, proposer, s, k: int | None = None):

@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from ..chain import Proposer
+from typing import TYPE_CHECKING
+
+from ..chain import ChainDecoder, Proposer
 from ..engines import device_tensor
-from .kind import DrafterKind, chain_decoder
+from .kind import Drafter, DrafterKind, chain_decoder
+
+if TYPE_CHECKING:
+    from ..engines import CachedLM
+    from ..factory import DecodeSettings
 
 
 class NgramProposer(Proposer):
@@ -41,16 +47,23 @@ def ngram_lookup(sequence: list[int], k: int, max_ngram: int = 3, min_ngram: int
     return []
 
 
-def _ngram(target, drafter, s):
-    return chain_decoder(target, NgramProposer(target.device, max_ngram=s.ngram_max), s)
+class NgramKind(DrafterKind):
+    name, method, help, label, planned_from_walks = "ngram", True, "prompt lookup", "n-gram", True
+    served_note = ("vLLM continues the earliest match of the longest suffix, drafttrain the latest, so the two "
+                   "propose different drafts (no export is involved)")
+
+    def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
+        """A chain decoder of prompt lookup up to --ngram-max tokens long."""
+        return chain_decoder(target, NgramProposer(target.device, max_ngram=s.ngram_max), s)
+
+    def lookup(self, s: DecodeSettings) -> NgramProposer:
+        """Prompt lookup on the host: a hybrid's branch."""
+        return NgramProposer("cpu", max_ngram=s.ngram_max)
+
+    def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
+        """vLLM's prompt lookup with the same longest n-gram."""
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                "prompt_lookup_max": s.ngram_max}
 
 
-def _served(path, k, drafter, s) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": s.ngram_max}
-
-
-KIND = DrafterKind("ngram", _ngram, method=True, help="prompt lookup", label="n-gram",
-                   lookup=lambda s: NgramProposer("cpu", max_ngram=s.ngram_max), planned_from_walks=True,
-                   vllm=_served, vllm_forwards=lambda k, d: 0,
-                   served_note="vLLM continues the earliest match of the longest suffix, drafttrain the latest, so "
-                               "the two propose different drafts (no export is involved)")
+KIND = NgramKind()

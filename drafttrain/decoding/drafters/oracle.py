@@ -6,9 +6,15 @@ import random
 
 import torch
 
-from ..chain import Proposer
+from typing import TYPE_CHECKING
+
+from ..chain import ChainDecoder, Proposer
 from ..engines import device_tensor
-from .kind import DrafterKind, chain_decoder
+from .kind import Drafter, DrafterKind, chain_decoder
+
+if TYPE_CHECKING:
+    from ..engines import CachedLM
+    from ..factory import DecodeSettings
 
 
 class OracleProposer(Proposer):
@@ -51,10 +57,14 @@ class OracleProposer(Proposer):
         return device_tensor(draft, self.device), None
 
 
-def _oracle(target, drafter, s):
-    oracle = OracleProposer(drafter.model, drafter.info["alpha"], drafter.info.get("vocab", target.vocab_size),
-                            target.device, seed=drafter.info.get("seed", 0))
-    return chain_decoder(target, oracle, s)
+class OracleKind(DrafterKind):
+    name = "oracle"  # `drafttrain bench` only: no flag
+
+    def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
+        """A chain decoder of the oracle's corrupted references (`d.model`) at `d.info["alpha"]`."""
+        oracle = OracleProposer(d.model, d.info["alpha"], d.info.get("vocab", target.vocab_size), target.device,
+                                seed=d.info.get("seed", 0))
+        return chain_decoder(target, oracle, s)
 
 
-KIND = DrafterKind("oracle", _oracle)  # `drafttrain bench` only: no flag
+KIND = OracleKind()

@@ -15,17 +15,22 @@ which the chain rejection rule allows, so decoding stays exactly the target's di
 from __future__ import annotations
 
 from statistics import median
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...planning import noisy
 from ...tokens import output_vocab_size
-from ..chain import Proposer
-from ..engines import as_cached_lm, device_tensor
+from ..chain import ChainDecoder, Proposer
+from ..engines import CachedLM, as_cached_lm, device_tensor
 from ..timing import forward_curve, forward_seconds, single_token_seconds
 from ..verify import probabilities, sample
-from .draft_lm import bind_draft_lm, served_path, target_vocab_logits
+from .draft_lm import DraftLMKind, target_vocab_logits
 from .kind import Drafter, DrafterKind, chain_decoder, parameter_share
+
+if TYPE_CHECKING:
+    from ..factory import DecodeSettings
+    from ..loop import Decoder
 
 
 class ParallelDraftProposer(Proposer):
@@ -76,30 +81,46 @@ def parallel_widths(acceptance: list[float], max_k: int) -> list[int]:
     return [min(2 * max_k, round(1 + sum(acceptance[:k - 1])) + k - 1) for k in range(1, max_k + 1)]
 
 
-def parallel_seconds(drafter: Drafter, target_lm, ids: list[int], max_k: int, acceptance: list[float],
+class ParallelLMKind(DrafterKind):
+    """A parallel draft LM (PARD): loaded by `--draft DIR` (`draft_lm_drafter`), bound and served as a draft LM."""
+
+    name, takes_lookup = "parallel_draft", True
+    bind, vllm = DraftLMKind.bind, DraftLMKind.vllm
+
+    def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
+        """A chain decoder of K drafts from one forward of the pending tokens and K - 1 masks."""
+        proposer = ParallelDraftProposer(d.model, output_vocab_size(target.model), d.info["pard_token"],
+                                         s.temperature, s.top_p, s.generator,
+                                         parallel_tokens=d.info.get("parallel_tokens"))
+        return chain_decoder(target, proposer, s)
+
+    def step_seconds(self, d: Drafter, target_lm: CachedLM, ids: list[int], max_k: int, acceptance: list[float],
                      repeats: int) -> tuple[list[float], list[str]]:
-    """One forward of the pending tokens and k - 1 masks to draft k."""
-    widths = parallel_widths(acceptance, max_k)
-    curve = forward_curve(as_cached_lm(drafter.model), ids, max(widths), repeats=repeats)
-    return [0.0] + [median(curve[w - 1]) for w in widths], noisy(curve)
+        """One forward of the pending tokens and k - 1 masks to draft k."""
+        widths = parallel_widths(acceptance, max_k)
+        curve = forward_curve(as_cached_lm(d.model), ids, max(widths), repeats=repeats)
+        return [0.0] + [median(curve[w - 1]) for w in widths], noisy(curve)
+
+    def draft_forwards(self, d: Drafter, max_k: int, acceptance: list[float]) -> list[tuple[int, int]]:
+        """One forward of `parallel_widths` tokens to draft k."""
+        return [(1, w) for w in parallel_widths(acceptance, max_k)]
+
+    def cost_ratio(self, d: Drafter, target_lm: CachedLM, ids: list[int], k: int) -> float:
+        """One forward of the last token and K-1 masks per step, spread over its K drafts."""
+        step = ids[-1:] + [d.info["pard_token"]] * (k - 1)
+        return forward_seconds(as_cached_lm(d.model), ids, step) / k / single_token_seconds(target_lm, ids)
+
+    def gpu_costs(self, d: Drafter, target: torch.nn.Module, max_k: int) -> list[float]:
+        """One forward for any k >= 1, costing the draft's share of the target's parameters."""
+        return [0.0] + [parameter_share(d.model, target)] * max_k
+
+    def report(self, d: Drafter, decoder: Decoder, overall: dict) -> dict:
+        """Its parallel configuration (`pard_token`, the K it was trained for)."""
+        return {"parallel_draft": d.info}
+
+    def vllm_forwards(self, k: int, d: Drafter) -> int:
+        """One draft forward a step, whatever K."""
+        return 1
 
 
-def parallel_cost(drafter: Drafter, target_lm, ids: list[int], k: int) -> float:
-    """One forward of the last token and K-1 masks per step, spread over its K drafts."""
-    step = ids[-1:] + [drafter.info["pard_token"]] * (k - 1)
-    return forward_seconds(as_cached_lm(drafter.model), ids, step) / k / single_token_seconds(target_lm, ids)
-
-
-def _parallel(target, drafter, s):
-    proposer = ParallelDraftProposer(drafter.model, output_vocab_size(target.model), drafter.info["pard_token"],
-                                     s.temperature, s.top_p, s.generator,
-                                     parallel_tokens=drafter.info.get("parallel_tokens"))
-    return chain_decoder(target, proposer, s)
-
-
-KIND = DrafterKind(
-    "parallel_draft", _parallel, bind=bind_draft_lm, takes_lookup=True, step_seconds=parallel_seconds,
-    draft_forwards=lambda d, max_k, acceptance: [(1, w) for w in parallel_widths(acceptance, max_k)],
-    cost_ratio=parallel_cost, report=lambda d, decoder, overall: {"parallel_draft": d.info},
-    gpu_costs=lambda d, target, max_k: [0.0] + [parameter_share(d.model, target)] * max_k,
-    vllm=served_path, vllm_forwards=lambda k, d: 1)
+KIND = ParallelLMKind()

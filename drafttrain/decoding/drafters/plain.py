@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from ..chain import NoProposer
-from .kind import DrafterKind, chain_decoder
+from typing import TYPE_CHECKING
+
+from ..chain import ChainDecoder, NoProposer
+from .kind import Drafter, DrafterKind, chain_decoder
+
+if TYPE_CHECKING:
+    from ..engines import CachedLM
+    from ..factory import DecodeSettings
 
 
-def _plain(target, drafter, s):
-    return chain_decoder(target, NoProposer(target.device), s, k=0)
+class PlainKind(DrafterKind):
+    name, drafts, method, help = "none", False, True, "the target alone"
+
+    def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
+        """A chain decoder drafting nothing: every step one target token."""
+        return chain_decoder(target, NoProposer(target.device), s, k=0)
 
 
-KIND = DrafterKind("none", _plain, drafts=False, method=True, help="the target alone")
+KIND = PlainKind()

@@ -117,22 +117,27 @@ class SuffixProposer(Proposer):
         return device_tensor(self.lookup(k, sequence), self.device), None
 
 
-def _suffix(target, drafter, s):
-    return chain_decoder(target, SuffixProposer(target.device), s)
+class SuffixKind(DrafterKind):
+    name, method, help, label, planned_from_walks = "suffix", True, "suffix lookup", "suffix", True
+    served_note = ("vLLM's suffix trees (ArcticInference's) score matches and break ties their own way, so the two "
+                   "may propose different drafts (no export is involved)")
+
+    def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
+        """A chain decoder of suffix lookup."""
+        return chain_decoder(target, SuffixProposer(target.device), s)
+
+    def lookup(self, s: DecodeSettings) -> SuffixProposer:
+        """Suffix lookup on the host: a hybrid's branch."""
+        return SuffixProposer("cpu")
+
+    def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
+        """vLLM's suffix decoding with these limits and no global tree of earlier requests' answers
+        (max_cached_requests 0), so it drafts from what drafttrain's does: the prompt and the answer."""
+        return {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_max_tree_depth": MAX_DEPTH,
+                "suffix_decoding_max_spec_factor": SPEC_FACTOR, "suffix_decoding_min_token_prob": MIN_TOKEN_PROB,
+                "suffix_decoding_max_cached_requests": 0}
 
 
-def _served(path, k, drafter, s) -> dict:
-    """vLLM's suffix decoding with these limits and no global tree of earlier requests' answers
-    (max_cached_requests 0), so it drafts from what drafttrain's does: the prompt and the answer."""
-    return {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_max_tree_depth": MAX_DEPTH,
-            "suffix_decoding_max_spec_factor": SPEC_FACTOR, "suffix_decoding_min_token_prob": MIN_TOKEN_PROB,
-            "suffix_decoding_max_cached_requests": 0}
-
-
-KIND = DrafterKind("suffix", _suffix, method=True, help="suffix lookup", label="suffix",
-                   lookup=lambda s: SuffixProposer("cpu"), planned_from_walks=True, vllm=_served,
-                   vllm_forwards=lambda k, d: 0,
-                   served_note="vLLM's suffix trees (ArcticInference's) score matches and break ties their own "
-                               "way, so the two may propose different drafts (no export is involved)")
+KIND = SuffixKind()
 
 __all__ = ["KIND", "SuffixProposer", "SuffixTrie"]
