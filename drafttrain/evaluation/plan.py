@@ -332,7 +332,8 @@ def plan_drafter(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]],
 def tree_settings(cfg: EvalConfig, models: LoadedModels) -> tuple[list[int], list[int], list[int], bool]:
     """(depths, node budgets, top-ks) a tree plan weighs, and whether the tree is EAGLE-2's dynamic one."""
     kind = BY_NAME[models.drafter.kind]
-    deepest = min(cfg.max_draft_tokens, kind.depth_limit(models.drafter) or cfg.max_draft_tokens)
+    limit = kind.depth_limit(models.drafter)
+    deepest = cfg.max_draft_tokens if limit is None else min(cfg.max_draft_tokens, limit)
     depths = list(range(1, deepest + 1)) if cfg.num_draft_tokens == "auto" else [deepest]
     shape = tree_choice(models.drafter, cfg.decode_settings(k=deepest, nodes=cfg.max_tree_nodes))[1]
     dynamic = shape == "dynamic"
@@ -493,7 +494,8 @@ def export_plans(target, acceptance: list[float], probe: list[int], *, where: st
 
     drafter = trained_drafter(**exported)
     kind = BY_NAME[drafter.kind]
-    limit = kind.depth_limit(drafter) or PLAN_MAX_K
+    limit = kind.depth_limit(drafter)
+    limit = PLAN_MAX_K if limit is None else limit
     max_k = min(PLAN_MAX_K, len(acceptance), limit)
     if max_k == 0:
         return {}
