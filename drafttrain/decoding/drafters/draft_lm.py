@@ -15,6 +15,7 @@ one forward per token (a sampled draft draws from a generator and returns its q)
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import TYPE_CHECKING
 from statistics import median
@@ -250,6 +251,11 @@ class DraftLMKind(DrafterKind):
     def gpu_costs(self, d: Drafter, target: torch.nn.Module, max_k: int) -> list[float]:
         """One forward per draft token, each costing the draft's share of the target's parameters."""
         return per_token(parameter_share(d.model, target), max_k)
+
+    def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
+        """A copy of the target on its own static, compiled LM: alone, and with n-gram lookup's branch."""
+        drafter = Drafter(self.name, StaticLM(copy.deepcopy(target), max_length=max_length, compile=True))
+        return [("draft LM", drafter, {}), ("draft LM + n-gram", drafter, {"ngram_hybrid": True})]
 
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's draft model at `path` (with its parallel drafting for a parallel draft)."""

@@ -36,7 +36,7 @@ from ..tree import TreeDecoder, TreeDrafter
 from ..verify import Greedy, Sampled, probabilities, sample
 from .eagle3_cache import CachedEagle3Draft, as_cached_draft
 from .eagle3_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count
-from .kind import Drafter, DrafterKind, parameter_share, per_token, require_finite
+from .kind import BENCH_TREE_NODES, Drafter, DrafterKind, parameter_share, per_token, require_finite
 
 if TYPE_CHECKING:
     from ..factory import DecodeSettings
@@ -420,6 +420,19 @@ class Eagle3Kind(DrafterKind):
         if overall.get("tree", "").startswith("dynamic"):
             overall["tree_nodes"] = decoder.num_tree_nodes
         return {"eagle3": d.info} if d.info else {}
+
+    def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
+        """A fresh draft over half the target's vocabulary: a chain, EAGLE-2's dynamic tree, and that tree
+        with n-gram lookup's branch."""
+        from ...eagle3.vocab import build_draft_vocab
+
+        size = target.config.vocab_size
+        vocab = build_draft_vocab([list(range(size))], size, size // 2)
+        aux = tuple(range(1, target.config.num_hidden_layers))
+        drafter = Drafter(self.name, Eagle3Draft.from_target(target, vocab, aux, dtype=target.dtype, seed=0))
+        dynamic = dict(tree="dynamic", tree_nodes=BENCH_TREE_NODES, tree_topk=4)
+        return [("EAGLE-3 chain", drafter, {"tree": "chain"}), ("EAGLE-3 dynamic tree", drafter, dynamic),
+                ("EAGLE-3 tree + n-gram", drafter, {**dynamic, "ngram_hybrid": True})]
 
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's EAGLE-3 with the draft at `path`."""

@@ -36,6 +36,9 @@ class Drafter:
     info: dict = field(default_factory=dict)
 
 
+BENCH_TREE_NODES = 16  # `bench`'s step-overhead rows: a dynamic tree's nodes
+
+
 class DrafterKind:
     """One drafter kind: a subclass per kind sets the class attributes it has and overrides `build`
     and the methods it has. Methods take the loaded `Drafter` `d` and the run's `DecodeSettings` `s`."""
@@ -125,6 +128,10 @@ class DrafterKind:
         """The drafter's forwards per step vLLM serves at K = `k`; 0 without a model."""
         return 0
 
+    def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
+        """`bench`'s step-overhead rows: (label, a random drafter for the tiny `target`, settings); none by default."""
+        return []
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -160,4 +167,4 @@ def per_token(one: float, max_k: int) -> list[float]:
     return [k * one for k in range(max_k + 1)]
 
 
-__all__ = ["Drafter", "DrafterKind", "chain_decoder", "parameter_share", "per_token", "require_finite"]
+__all__ = ["BENCH_TREE_NODES", "Drafter", "DrafterKind", "chain_decoder", "parameter_share", "per_token", "require_finite"]

@@ -357,6 +357,11 @@ class MedusaKind(DrafterKind):
                          "were trained jointly with the heads), not the original target; pass it as --target.")
         return lines + [""]
 
+    def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
+        """Three fresh heads on the target, verifying the default tree."""
+        heads = MedusaHeads.from_target(target, 3).to(device=target.device, dtype=target.dtype)
+        return [("Medusa tree", Drafter(self.name, heads), {"tree": "default"})]
+
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's Medusa at `path`, one token per head: K no more than the heads."""
         heads = d.model.config.num_heads

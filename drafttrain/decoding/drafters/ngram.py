@@ -5,9 +5,9 @@ Free to propose (no model), and strong wherever the output copies its context, a
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from ..chain import ChainDecoder, Proposer
 from ..engines import device_tensor
@@ -59,6 +59,10 @@ class NgramKind(DrafterKind):
     def lookup(self, s: DecodeSettings) -> NgramProposer:
         """Prompt lookup on the host: a hybrid's branch."""
         return NgramProposer("cpu", max_ngram=s.ngram_max)
+
+    def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
+        """The lookup alone: no model."""
+        return [("n-gram", Drafter(self.name), {})]
 
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's prompt lookup with the same longest n-gram."""

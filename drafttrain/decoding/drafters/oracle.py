@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from ..chain import ChainDecoder, Proposer
 from ..engines import device_tensor

@@ -14,6 +14,7 @@ which the chain rejection rule allows, so decoding stays exactly the target's di
 
 from __future__ import annotations
 
+import copy
 from statistics import median
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ import torch
 from ...planning import noisy
 from ...tokens import output_vocab_size
 from ..chain import ChainDecoder, Proposer
-from ..engines import CachedLM, as_cached_lm, device_tensor
+from ..engines import CachedLM, StaticLM, as_cached_lm, device_tensor
 from ..timing import forward_curve, forward_seconds, single_token_seconds
 from ..verify import probabilities, sample
 from .draft_lm import DraftLMKind, target_vocab_logits
@@ -117,6 +118,12 @@ class ParallelLMKind(DrafterKind):
     def report(self, d: Drafter, decoder: Decoder, overall: dict) -> dict:
         """Its parallel configuration (`pard_token`, the K it was trained for)."""
         return {"parallel_draft": d.info}
+
+    def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
+        """A copy of the target on its own static, compiled LM, its last token the mask, trained for K."""
+        model = StaticLM(copy.deepcopy(target), max_length=max_length, compile=True)
+        info = {"pard_token": target.config.vocab_size - 1, "parallel_tokens": k}
+        return [("parallel draft", Drafter(self.name, model, info), {})]
 
     def vllm_forwards(self, k: int, d: Drafter) -> int:
         """One draft forward a step, whatever K."""

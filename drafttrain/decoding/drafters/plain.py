@@ -8,6 +8,8 @@ from ..chain import ChainDecoder, NoProposer
 from .kind import Drafter, DrafterKind, chain_decoder
 
 if TYPE_CHECKING:
+    import torch
+
     from ..engines import CachedLM
     from ..factory import DecodeSettings
 
@@ -18,6 +20,10 @@ class PlainKind(DrafterKind):
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
         """A chain decoder drafting nothing: every step one target token."""
         return chain_decoder(target, NoProposer(target.device), s, k=0)
+
+    def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
+        """The target alone: the floor every other row adds to."""
+        return [("plain", Drafter(self.name), {})]
 
 
 KIND = PlainKind()

@@ -19,11 +19,17 @@ drafter's tree (`+suffix`, `hybrid.py`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..chain import Proposer
+from ..chain import ChainDecoder, Proposer
 from ..engines import device_tensor
-from .kind import DrafterKind, chain_decoder
+from .kind import Drafter, DrafterKind, chain_decoder
+
+if TYPE_CHECKING:
+    from ..engines import CachedLM
+    from ..factory import DecodeSettings
 
 MAX_DEPTH = 24         # vLLM's suffix_decoding_max_tree_depth
 SPEC_FACTOR = 1.0      # vLLM's suffix_decoding_max_spec_factor: drafts per matched token, at most
@@ -129,6 +135,10 @@ class SuffixKind(DrafterKind):
     def lookup(self, s: DecodeSettings) -> SuffixProposer:
         """Suffix lookup on the host: a hybrid's branch."""
         return SuffixProposer("cpu")
+
+    def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
+        """The lookup alone: no model."""
+        return [("suffix", Drafter(self.name), {})]
 
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's suffix decoding with these limits and no global tree of earlier requests' answers
