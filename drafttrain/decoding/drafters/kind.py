@@ -3,11 +3,12 @@
 backend read it instead of naming the kind: a new kind is its file plus one line in
 `drafters.REGISTRY`.
 
-A kind overrides `build` and whatever else it has; every other method has a default meaning "this
-kind has none", and `supports(name)` says whether a kind has its own: a kind without a flag is not
-offered on the command line (the oracle), one without `tree` drafts a chain, one without `lookup`
-cannot be hung from a model drafter's tree (`+ngram`), one without `vllm` cannot be served, one
-without `replay` is not offered by `drafttrain replay`.
+A kind sets the class attributes it has and overrides `build` and the methods it has; the rest keep
+the base's defaults, which mean "none" (`supports(name)` tells a method of its own from a default):
+a kind without a flag is not offered on the command line (the oracle), one without `tree` drafts a
+chain, one without `lookup` cannot be hung from a model drafter's tree (`+ngram`), one without
+`vllm` cannot be served, one without `replay` is not offered by `drafttrain replay`, one without
+`bench_rows` has no row in `bench`'s step-overhead table.
 """
 
 from __future__ import annotations
