@@ -255,7 +255,7 @@ class DraftLMKind(DrafterKind):
     def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
         """A copy of the target on its own static, compiled LM: alone, and with n-gram lookup's branch."""
         drafter = Drafter(self.name, StaticLM(copy.deepcopy(target), max_length=max_length, compile=True))
-        return [("draft LM", drafter, {}), ("draft LM + n-gram", drafter, {"ngram_hybrid": True})]
+        return [("draft LM", drafter, {}), ("draft LM + n-gram", drafter, {"hybrid": "ngram"})]
 
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's draft model at `path` (with its parallel drafting for a parallel draft)."""

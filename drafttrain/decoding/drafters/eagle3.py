@@ -432,7 +432,7 @@ class Eagle3Kind(DrafterKind):
         drafter = Drafter(self.name, Eagle3Draft.from_target(target, vocab, aux, dtype=target.dtype, seed=0))
         dynamic = dict(tree="dynamic", tree_nodes=BENCH_TREE_NODES, tree_topk=4)
         return [("EAGLE-3 chain", drafter, {"tree": "chain"}), ("EAGLE-3 dynamic tree", drafter, dynamic),
-                ("EAGLE-3 tree + n-gram", drafter, {**dynamic, "ngram_hybrid": True})]
+                ("EAGLE-3 tree + n-gram", drafter, {**dynamic, "hybrid": "ngram"})]
 
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's EAGLE-3 with the draft at `path`."""

@@ -7,8 +7,8 @@ A kind sets the class attributes it has and overrides `build` and the methods it
 the base's defaults, which mean "none" (`supports(name)` tells a method of its own from a default):
 a kind without a flag is not offered on the command line (the oracle), one without `tree` drafts a
 chain, one without `lookup` cannot be hung from a model drafter's tree (`+ngram`), one without
-`vllm` cannot be served, one without `replay` is not offered by `drafttrain replay`, one without
-`bench_rows` has no row in `bench`'s step-overhead table.
+`vllm` cannot be served, one without `replay_matches` is not offered by `drafttrain replay`, one without
+`bench_rows` has no row in `bench`'s step-overhead table, one without `settings` adds no flag of its own.
 """
 
 from __future__ import annotations
@@ -63,9 +63,20 @@ class DrafterKind:
     def supports(self, name: str) -> bool:
         """Whether this kind has its own `name` method, not the base's "has none" ("vllm": it is served)."""
         default = DrafterKind.__dict__.get(name)
-        if not callable(default) or name in ("build", "supports"):
+        if not callable(default) or name in ("build", "supports", "value"):
             raise AttributeError(f"DrafterKind has no optional method {name!r}")
         return getattr(type(self), name) is not default
+
+    def settings(self) -> dict[str, tuple[str, object]]:
+        """Settings of its own, by field name: (annotation, `config.setting(...)`), each one an `eval`/`compare`
+        flag (`--ngram-max N`) and a value in `DecodeSettings.kind_settings` (read with `value`); none by default."""
+        return {}
+
+    def value(self, s: DecodeSettings, name: str) -> object:
+        """Its own setting `name` (one of `settings`) under `s`: the run's value, else the setting's default."""
+        if name in s.kind_settings:
+            return s.kind_settings[name]
+        return self.settings()[name][1].default
 
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> Decoder:
         """The decoder of `d` on `target` with the run's settings: what every kind must have."""
