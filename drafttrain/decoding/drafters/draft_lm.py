@@ -209,7 +209,7 @@ class DraftLMKind(DrafterKind):
     """A draft LM drafting K tokens in a row on its own cached LM (`--draft DIR`)."""
 
     name, flag, help = "draft", "draft", "Draft model: a directory or hub id with the target's tokenizer."
-    takes_lookup, sglang, replay, replay_default = True, "STANDALONE", "tokens", True
+    takes_lookup, sglang, replay_default = True, "STANDALONE", True
 
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
         """A chain decoder of the draft LM's K tokens in a row, in the target's vocabulary."""
@@ -265,6 +265,19 @@ class DraftLMKind(DrafterKind):
     def vllm_forwards(self, k: int, d: Drafter) -> int:
         """One draft forward per draft token."""
         return k
+
+    @torch.no_grad()
+    def replay_matches(self, d: Drafter, target: torch.nn.Module, prompt: list[int], target_tokens: list[int],
+                       k: int) -> list[bool]:
+        """Whether the draft's greedy token equals the target's at each output position (its guess there does
+        not depend on where the step began): one forward of the draft, the target unused."""
+        if not target_tokens:
+            return []
+        device = next(d.model.parameters()).device
+        ids = torch.tensor([list(prompt) + list(target_tokens)], dtype=torch.long, device=device)
+        keep = len(target_tokens) + 1  # logits of the last prompt position onwards
+        logits = d.model(input_ids=ids, logits_to_keep=keep).logits[0, :len(target_tokens)]
+        return [p == t for p, t in zip(logits.argmax(-1).tolist(), target_tokens)]
 
 
 KIND = DraftLMKind()

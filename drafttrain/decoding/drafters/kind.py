@@ -54,9 +54,6 @@ class DrafterKind:
     takes_lookup: bool = False          # joins a lookup's chain to its own (+ngram), greedy
     planned_from_walks: bool = False    # greedy acceptance walked over calibration outputs
     sglang: str | None = None           # SGLang's --speculative-algorithm for its export, if it serves it
-    replay: str | None = None           # how `replay` scores its export's greedy acceptance from one forward:
-                                        # "tokens" (its own, a draft LM) or "features" (the target's hidden
-                                        # states); None: not replayed
     replay_default: bool = False        # `replay --draft NAME=DIR` (no FLAG: prefix) loads this kind
     served_note: str = ""               # why vLLM's acceptance may differ from ours (no export involved)
 
@@ -143,6 +140,13 @@ class DrafterKind:
     def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
         """`bench`'s step-overhead rows: (label, a random drafter for the tiny `target`, settings); none by default."""
         return []
+
+    def replay_matches(self, d: Drafter, target: torch.nn.Module, prompt: list[int], target_tokens: list[int],
+                       k: int) -> list[bool] | list[list[bool]]:
+        """`replay`'s greedy acceptance of `d` from one forward over (prompt + the target's greedy output),
+        as `evaluation.replay.chain_steps` reads it: whether its draft equals the target's token at each output
+        position, or a grid (per step start t, per draft j < K = `k`); not replayed by default."""
+        raise NotImplementedError(f"drafter kind {self.name!r} is not replayed")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -130,4 +130,35 @@ class ParallelLMKind(DrafterKind):
         return 1
 
 
+    @torch.no_grad()
+    def replay_matches(self, d: Drafter, target: torch.nn.Module, prompt: list[int], target_tokens: list[int],
+                       k: int) -> list[list[bool]]:
+        """The grid from ONE forward over (prompt + the target's output) laid out for every depth at once
+        (`drafttrain.parallel`): the step that begins with t output tokens emitted (last real token at index
+        c - 1, c = P + t) drafts its token j from depth j at position c - 1 + j, which sees x_0 .. x_{c-1} and
+        j masks, as the decoder's forward does. The target unused."""
+        from ...parallel import parallel_layout
+
+        if not target_tokens:
+            return []
+        draft = d.model
+        sequence = list(prompt) + list(target_tokens)
+        device = next(draft.parameters()).device
+        ids = torch.tensor([sequence], dtype=torch.long, device=device)
+        ones = torch.ones_like(ids)
+        depth = max(k, 2)
+        start = len(prompt) - 1
+        layout = parallel_layout(ids, ones, torch.arange(len(sequence), device=device)[None], start=start,
+                                 depth=depth, mask_id=d.info["pard_token"])
+        dtype = next(draft.parameters()).dtype
+        logits = draft(input_ids=layout.input_ids, position_ids=layout.position_ids,
+                       attention_mask=layout.additive_mask(dtype), logits_to_keep=layout.logits_to_keep).logits
+        guess = dict(zip(layout.rows(), logits[0].argmax(-1).tolist()))  # (depth, position) -> its draft
+        rows = []
+        for t in range(len(target_tokens)):
+            c = len(prompt) + t
+            rows.append([c + j < len(sequence) and guess.get((j, c - 1 + j)) == sequence[c + j] for j in range(k)])
+        return rows
+
+
 KIND = ParallelLMKind()
