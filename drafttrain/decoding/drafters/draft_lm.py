@@ -30,7 +30,7 @@ from ..engines.compiled import WARMUP_RUNS, CompiledStep, timed_warmup
 from ..engines.static import static_step
 from ..timing import forward_curve, single_token_seconds
 from ..verify import probabilities, sample
-from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, per_token
+from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, per_token, replayed_sequence
 
 if TYPE_CHECKING:
     from ..factory import DecodeSettings
@@ -273,8 +273,7 @@ class DraftLMKind(DrafterKind):
         not depend on where the step began): one forward of the draft, the target unused."""
         if not target_tokens:
             return []
-        device = next(d.model.parameters()).device
-        ids = torch.tensor([list(prompt) + list(target_tokens)], dtype=torch.long, device=device)
+        ids = replayed_sequence(d.model, prompt, target_tokens)[1]
         keep = len(target_tokens) + 1  # logits of the last prompt position onwards
         logits = d.model(input_ids=ids, logits_to_keep=keep).logits[0, :len(target_tokens)]
         return [p == t for p, t in zip(logits.argmax(-1).tolist(), target_tokens)]

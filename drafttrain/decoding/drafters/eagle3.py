@@ -36,7 +36,8 @@ from ..tree import TreeDecoder, TreeDrafter
 from ..verify import Greedy, Sampled, probabilities, sample
 from .eagle3_cache import CachedEagle3Draft, as_cached_draft
 from .eagle3_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count
-from .kind import BENCH_TREE_NODES, Drafter, DrafterKind, parameter_share, per_token, require_finite
+from .kind import (BENCH_TREE_NODES, Drafter, DrafterKind, parameter_share, per_token, replayed_sequence,
+                   require_finite)
 
 if TYPE_CHECKING:
     from ..factory import DecodeSettings
@@ -459,9 +460,7 @@ class Eagle3Kind(DrafterKind):
         if not target_tokens:
             return []
         draft = d.model
-        sequence = list(prompt) + list(target_tokens)
-        device = next(draft.parameters()).device
-        ids = torch.tensor([sequence], dtype=torch.long, device=device)
+        sequence, ids = replayed_sequence(draft, prompt, target_tokens)
         hidden_states = target(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
         first = max(len(prompt) - 2, 0)  # the first index a step drafts from
         steps = max(k, 1)

@@ -178,9 +178,18 @@ def parameter_share(module, target, skip: str = "") -> float:
     return own / sum(p.numel() for p in target.parameters())
 
 
+def replayed_sequence(model, prompt: list[int], target_tokens: list[int]) -> tuple[list[int], torch.Tensor]:
+    """`replay_matches`' input: prompt + the target's output, as a list and as one row of ids on `model`'s device."""
+    import torch
+
+    sequence = list(prompt) + list(target_tokens)
+    return sequence, torch.tensor([sequence], dtype=torch.long, device=next(model.parameters()).device)
+
+
 def per_token(one: float, max_k: int) -> list[float]:
     """A drafter that runs one forward per draft token: k of them for k drafts."""
     return [k * one for k in range(max_k + 1)]
 
 
-__all__ = ["BENCH_TREE_NODES", "Drafter", "DrafterKind", "chain_decoder", "parameter_share", "per_token", "require_finite"]
+__all__ = ["BENCH_TREE_NODES", "Drafter", "DrafterKind", "chain_decoder", "parameter_share", "per_token",
+           "replayed_sequence", "require_finite"]

@@ -27,7 +27,7 @@ from ..engines import CachedLM, StaticLM, as_cached_lm, device_tensor
 from ..timing import forward_curve, forward_seconds, single_token_seconds
 from ..verify import probabilities, sample
 from .draft_lm import DraftLMKind, target_vocab_logits
-from .kind import Drafter, DrafterKind, chain_decoder, parameter_share
+from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, replayed_sequence
 
 if TYPE_CHECKING:
     from ..factory import DecodeSettings
@@ -142,13 +142,11 @@ class ParallelLMKind(DrafterKind):
         if not target_tokens:
             return []
         draft = d.model
-        sequence = list(prompt) + list(target_tokens)
-        device = next(draft.parameters()).device
-        ids = torch.tensor([sequence], dtype=torch.long, device=device)
+        sequence, ids = replayed_sequence(draft, prompt, target_tokens)
         ones = torch.ones_like(ids)
         depth = max(k, 2)
         start = len(prompt) - 1
-        layout = parallel_layout(ids, ones, torch.arange(len(sequence), device=device)[None], start=start,
+        layout = parallel_layout(ids, ones, torch.arange(len(sequence), device=ids.device)[None], start=start,
                                  depth=depth, mask_id=d.info["pard_token"])
         dtype = next(draft.parameters()).dtype
         logits = draft(input_ids=layout.input_ids, position_ids=layout.position_ids,
