@@ -69,9 +69,9 @@ class DrafterKind:
         flag (`--ngram-max N`) and a value in `DecodeSettings.kind_settings` (read with `value`); none by default."""
         return {}
 
-    def value(self, s: DecodeSettings, name: str) -> object:
-        """Its own setting `name` (one of `settings`) under `s`: the run's value, else the setting's default."""
-        if name in s.kind_settings:
+    def value(self, s: DecodeSettings | None, name: str) -> object:
+        """Its setting `name` (one of `settings`) under `s`: the run's value, else (unset, or no `s`) its default."""
+        if s is not None and name in s.kind_settings:
             return s.kind_settings[name]
         return self.settings()[name][1].default
 
