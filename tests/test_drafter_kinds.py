@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,67 @@ def namings_at(path: Path) -> list[str]:
         return namings(path)
     finally:
         PACKAGE = saved
+
+
+# Issue 37: no kind's name inside the shared code's identifiers or strings, only in its prose.
+SHARED = [PACKAGE / "decoding" / "factory.py", PACKAGE / "planning.py",
+          *sorted((PACKAGE / "evaluation").rglob("*.py")), *sorted((PACKAGE / "bench").rglob("*.py"))]
+KIND_WORD = r"ngram|eagle3|medusa|suffix|parallel_|dflash"
+PYTHONS_OWN = {"suffix", "suffixes", "removesuffix", "with_suffix"}  # Path.suffix, str.removesuffix, mkstemp(suffix=)
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the string constants that are docstrings (a module's, class's or function's first statement)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                found.add(id(first.value))
+    return found
+
+
+def kind_words_in(path: Path, root: Path = PACKAGE) -> list[str]:
+    """Where `path`'s code names a kind (KIND_WORD). Identifiers, any case: a name, an attribute, a function's,
+    class's or argument's name, a keyword argument, an imported name; but Python's own attributes and keywords
+    (PYTHONS_OWN). Strings, as written (the issue's `git grep`): every string literal, f-strings' text included,
+    but docstrings. Comments are no code: never looked at."""
+    tree = ast.parse(path.read_text())
+    prose, found = docstrings(tree), []
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(root)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in prose and re.search(KIND_WORD, node.value):
+                found.append(f"{where} the string {node.value!r}")
+            continue
+        own = node.attr if isinstance(node, ast.Attribute) else node.arg if isinstance(node, ast.keyword) else None
+        if own in PYTHONS_OWN:
+            continue
+        names = {ast.Name: ("id",), ast.Attribute: ("attr",), ast.FunctionDef: ("name",),
+                 ast.AsyncFunctionDef: ("name",), ast.ClassDef: ("name",), ast.arg: ("arg",), ast.keyword: ("arg",),
+                 ast.alias: ("name", "asname"), ast.ImportFrom: ("module",)}.get(type(node), ())
+        for name in filter(None, (getattr(node, a) for a in names)):
+            if re.search(KIND_WORD, name, re.IGNORECASE):
+                found.append(f"{where} the identifier {name}")
+    return found
+
+
+def test_no_identifier_or_string_of_the_shared_code_names_a_kind():
+    found = [f for path in SHARED for f in kind_words_in(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_identifier_check_finds_a_kind_named_and_spares_prose(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""ngram: the module docstring."""\n'
+                   "def f(ngram_max=3):  # ngram in a comment\n"
+                   '    """eagle3 in a docstring."""\n'
+                   "    x = s.ngram_hybrid or Eagle3Kind(tree=f'{medusa}') or g(parallel_info=1)\n"
+                   "    return f'+ngram' if path.suffix else x.removesuffix('.bin')\n")
+    found = kind_words_in(bad, tmp_path)
+    assert sorted(f.partition(" the ")[2] for f in found) == sorted([
+        "identifier ngram_max", "identifier ngram_hybrid", "identifier Eagle3Kind", "identifier medusa",
+        "identifier parallel_info", "string '+ngram'"])
 
 
 def test_every_kind_is_registered_once_with_a_builder():

@@ -54,8 +54,8 @@ def tiny_target(device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def step_overheads(device: torch.device, dtype: torch.dtype, k: int, seed: int = 0) -> list[dict]:
-    """Per drafter kind's row (`DrafterKind.bench_rows`, the registry's order, rows with n-gram
-    lookup's branch last): host syncs, eager ops and compiled calls per step (counted), median step
+    """Per drafter kind's row (`DrafterKind.bench_rows`, the registry's order, rows with a lookup's
+    branch last): host syncs, eager ops and compiled calls per step (counted), median step
     milliseconds."""
     with traced_on_cpu(device):
         target = tiny_target(device, dtype)
@@ -64,7 +64,7 @@ def step_overheads(device: torch.device, dtype: torch.dtype, k: int, seed: int =
         prompt = torch.randint(VOCAB - 1, (PROMPT,), generator=torch.Generator().manual_seed(seed)).tolist()
         kinds = [row for kind in REGISTRY for row in kind.bench_rows(target, k, length)]
         rows = []
-        for name, drafter, extra in sorted(kinds, key=lambda row: bool(row[2].get("ngram_hybrid"))):
+        for name, drafter, extra in sorted(kinds, key=lambda row: bool(row[2].get("hybrid"))):
             decoder = build_decoder(lm, drafter, DecodeSettings(num_draft_tokens=k, **extra))
             decoder.warmup()
             counted = step_overhead(decoder, prompt, NEW_TOKENS)

@@ -8,11 +8,11 @@ that list and names no kind. Trees are chosen once per kind, by its `tree` (over
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .drafters import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, LOOKUPS, REGISTRY, kind_of
+from .drafters import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, REGISTRY, kind_of
 from .drafters.hybrid import hybrid_decoder
 from .drafters.kind import Drafter
 from .engines import as_cached_lm
@@ -37,9 +37,10 @@ class DecodeSettings:
     tree_nodes: int | None = None     # nodes per step, pending included: the dynamic tree's (None: 32),
                                       # a static tree's first ones best first (None: all)
     tree_topk: int = DYNAMIC_TREE_TOPK  # a dynamic tree: nodes expanded per depth
-    ngram_max: int = 3                # n-gram drafting: the longest suffix looked up
-    ngram_hybrid: bool = False        # +ngram: n-gram lookup's chain, one more branch of the drafter's chain or tree
-    hybrid: str | None = None         # +LOOKUP: the lookup kind joined (None: ngram_hybrid's, or none)
+    hybrid: str | None = None         # +LOOKUP: the lookup kind joined, its chain one more branch of the
+                                      # drafter's chain or tree (None: none)
+    kind_settings: dict = field(default_factory=dict, hash=False)  # the kinds' own settings by name
+                                      # (`DrafterKind.settings`, e.g. --ngram-max); unset: their defaults
 
     @property
     def dynamic_nodes(self) -> int:
@@ -48,8 +49,8 @@ class DecodeSettings:
 
     @property
     def lookup(self) -> str | None:
-        """The lookup kind hung from the drafter's tree (+ngram: the first lookup kind), or None."""
-        return self.hybrid or (LOOKUPS[0] if self.ngram_hybrid else None)
+        """The lookup kind hung from the drafter's tree (+LOOKUP), or None."""
+        return self.hybrid
 
     def rule(self):
         """The acceptance rule of these settings (`verify.Greedy` or `verify.Sampled`)."""
@@ -57,7 +58,7 @@ class DecodeSettings:
 
     def alone(self) -> DecodeSettings:
         """The same settings with no lookup joined."""
-        return replace(self, ngram_hybrid=False, hybrid=None)
+        return replace(self, hybrid=None)
 
 
 def tree_choice(drafter: Drafter, s: DecodeSettings) -> tuple[str, list | str] | None:

@@ -46,6 +46,13 @@ def drafter_fields() -> dict[str, tuple[str, object]]:
 def drafter_settings() -> dict:
     return {name: field for name, (_, field) in drafter_fields().items()}
 
+
+def kind_fields() -> dict[str, tuple[str, object]]:
+    """EvalConfig's fields of the kinds' own settings (`DrafterKind.settings`), registry order:
+    (annotation, setting) by name, each a flag (--ngram-max N) and a `DecodeSettings.kind_settings` value."""
+    return {name: declared for kind in REGISTRY for name, declared in kind.settings().items()}
+
+
 def int_or_auto(text: str) -> int | str:
     """A flag's K: an integer, or "auto"."""
     return "auto" if text == "auto" else int(text)
@@ -103,7 +110,8 @@ class EvalConfig:
                            "engine, one prompt at a time, the same settings: served acceptance; needs the [vllm] "
                            "extra). In compare, a drafter may end in @vllm or @drafttrain instead.",
                            choices=BACKEND_CHOICES)
-    ngram_max: int = setting(3, "Longest suffix n-gram that n-gram lookup matches.", metavar="N", at_least=1)
+    vars().update({f: s for f, (_, s) in kind_fields().items()})  # --ngram-max N: the kinds' own, `kind_fields`
+    __annotations__.update({f: t for f, (t, _) in kind_fields().items()})
     tree: str = setting("auto", "Candidate tree of Medusa heads and EAGLE-3 drafts (greedy): auto (heads: the tree "
                         "calibrated when they were trained, else default; EAGLE-3: dynamic), default (a static "
                         "22-node tree), chain, dynamic (EAGLE-3 only: EAGLE-2's tree grown by draft confidence, "
@@ -195,8 +203,8 @@ class EvalConfig:
         return DecodeSettings(num_draft_tokens=self.num_draft_tokens if k is None else k, temperature=self.temperature,
                               top_p=self.top_p, generator=generator, record_margins=record_margins, tree=self.tree,
                               tree_nodes=self.tree_nodes if nodes is None else nodes,
-                              tree_topk=self.tree_topk if topk is None else topk, ngram_max=self.ngram_max,
-                              hybrid=self.hybrid)
+                              tree_topk=self.tree_topk if topk is None else topk, hybrid=self.hybrid,
+                              kind_settings={f: getattr(self, f) for f in kind_fields()})
 
     @property
     def drafter_kind(self) -> str:

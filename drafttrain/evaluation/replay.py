@@ -16,14 +16,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..config import check_settings, flag_name, setting
 from ..decoding import NUM_DRAFT_TOKENS
-from ..decoding.drafters import REGISTRY, DrafterKind
+from ..decoding.drafters import REGISTRY, Drafter, DrafterKind, kind_of
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-from ..parallel import parallel_info, parallel_layout
 from ..prompts import encode_prompt, read_prompts
 from .config import DTYPE_CHOICES
 
@@ -58,98 +55,20 @@ def chain_accepted_lengths(matches: list[bool], num_draft_tokens: int, max_new_t
     return chain_steps(matches, num_draft_tokens, max_new_tokens, ended_at_eos=False)[0]
 
 
-@torch.no_grad()
-def draft_matches(draft, prompt: list[int], target_tokens: list[int]) -> list[bool]:
-    """Whether the draft's greedy token equals the target's at each output position."""
-    if not target_tokens:
-        return []
-    device = next(draft.parameters()).device
-    ids = torch.tensor([list(prompt) + list(target_tokens)], dtype=torch.long, device=device)
-    keep = len(target_tokens) + 1  # logits of the last prompt position onwards
-    logits = draft(input_ids=ids, logits_to_keep=keep).logits[0, :len(target_tokens)]
-    return [p == t for p, t in zip(logits.argmax(-1).tolist(), target_tokens)]
-
-
-@torch.no_grad()
-def eagle3_matches(draft, target, prompt: list[int], target_tokens: list[int], num_draft_tokens: int
-                   ) -> list[list[bool]]:
-    """`chain_steps`' grid for an EAGLE-3 draft (target's embedding attached), from ONE target
-    forward and ONE K-step unroll over (prompt + the target's greedy output).
-
-    A step that begins with t output tokens emitted (sequence length c = P + t, the draft's cache
-    holding indices 0..c-2) drafts its token j with unroll step j at index c - 2: step 0 reads the
-    target's features there and the pending token, step j >= 1 its own previous hidden state and
-    the next token of the sequence, which IS its own previous draft whenever that was accepted
-    (and after a rejection nothing later counts). A one-token prompt's first step has no index to
-    draft from: it proposes nothing, as the decoder does."""
-    if not target_tokens:
-        return []
-    sequence = list(prompt) + list(target_tokens)
-    device = next(draft.parameters()).device
-    ids = torch.tensor([sequence], dtype=torch.long, device=device)
-    hidden_states = target(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
-    first = max(len(prompt) - 2, 0)  # the first index a step drafts from
-    k = max(num_draft_tokens, 1)
-    logits = draft(draft.target_features(hidden_states), ids, num_steps=k, logits_from=first)
-    guesses = draft.to_target_ids(logits[:, 0].argmax(-1)).T.tolist()  # [index - first][step]
-    rows = []
-    for t in range(len(target_tokens)):
-        c = len(prompt) + t
-        rows.append([] if c < 2 else [c + j < len(sequence) and guesses[c - 2 - first][j] == sequence[c + j]
-                                      for j in range(k)])
-    return rows
-
-
-@torch.no_grad()
-def parallel_matches(draft, prompt: list[int], target_tokens: list[int], num_draft_tokens: int,
-                     mask_id: int) -> list[list[bool]]:
-    """`chain_steps`' grid for a parallel draft, from ONE forward over (prompt + the target's output)
-    laid out for every depth at once (`drafttrain.parallel`): the step that begins with t output
-    tokens emitted (last real token at index c - 1, c = P + t) drafts its token j from depth j at
-    position c - 1 + j, which sees x_0 .. x_{c-1} and j masks, as the decoder's forward does."""
-    if not target_tokens:
-        return []
-    sequence = list(prompt) + list(target_tokens)
-    device = next(draft.parameters()).device
-    ids = torch.tensor([sequence], dtype=torch.long, device=device)
-    ones = torch.ones_like(ids)
-    k = max(num_draft_tokens, 2)
-    start = len(prompt) - 1
-    layout = parallel_layout(ids, ones, torch.arange(len(sequence), device=device)[None], start=start, depth=k,
-                             mask_id=mask_id)
-    dtype = next(draft.parameters()).dtype
-    logits = draft(input_ids=layout.input_ids, position_ids=layout.position_ids,
-                   attention_mask=layout.additive_mask(dtype), logits_to_keep=layout.logits_to_keep).logits
-    guess = dict(zip(layout.rows(), logits[0].argmax(-1).tolist()))  # (depth, position) -> its draft
-    rows = []
-    for t in range(len(target_tokens)):
-        c = len(prompt) + t
-        rows.append([c + j < len(sequence) and guess.get((j, c - 1 + j)) == sequence[c + j]
-                     for j in range(num_draft_tokens)])
-    return rows
-
-
-def teacher_forced_steps(draft, prompt: list[int], target_tokens: list[int], *, num_draft_tokens: int,
+def teacher_forced_steps(drafter: Drafter, prompt: list[int], target_tokens: list[int], *, num_draft_tokens: int,
                          max_new_tokens: int, target=None) -> tuple[list[int], list[int]]:
-    """(accepted, proposed) lengths of greedy chain decoding with `draft`, where `target_tokens`
-    is the target's greedy output for `prompt` (e.g. `baseline_token_ids` of outputs.jsonl).
-    `draft`: a draft LM (sequential, or parallel when its config names a `pard_token`), or an EAGLE-3
-    draft with its `target` (which it reads features from)."""
+    """(accepted, proposed) lengths of greedy chain decoding with `drafter`, where `target_tokens`
+    is the target's greedy output for `prompt` (e.g. `baseline_token_ids` of outputs.jsonl): its
+    kind's matches (`DrafterKind.replay_matches`; an EAGLE-3 draft reads the `target`'s features)."""
     ended_at_eos = len(target_tokens) < max_new_tokens
-    parallel = parallel_info(draft.config) if target is None else None
-    if parallel:
-        matches = parallel_matches(draft, prompt, target_tokens, num_draft_tokens, parallel["pard_token"])
-    elif target is None:
-        matches = draft_matches(draft, prompt, target_tokens)
-    else:
-        matches = eagle3_matches(draft, target, prompt, target_tokens, num_draft_tokens)
+    matches = kind_of(drafter.kind).replay_matches(drafter, target, prompt, target_tokens, num_draft_tokens)
     return chain_steps(matches, num_draft_tokens, max_new_tokens, ended_at_eos)
 
 
-def teacher_forced_accepted_lengths(draft, prompt: list[int], target_tokens: list[int], *,
-                                    num_draft_tokens: int, max_new_tokens: int) -> list[int]:
-    return teacher_forced_steps(draft, prompt, target_tokens, num_draft_tokens=num_draft_tokens,
-                                max_new_tokens=max_new_tokens)[0]
+def teacher_forced_accepted_lengths(drafter: Drafter, prompt: list[int], target_tokens: list[int], *,
+                                    num_draft_tokens: int, max_new_tokens: int, target=None) -> list[int]:
+    return teacher_forced_steps(drafter, prompt, target_tokens, num_draft_tokens=num_draft_tokens,
+                                max_new_tokens=max_new_tokens, target=target)[0]
 
 
 def tau(num_tokens: int, accepted_lengths: list[int]) -> float:
@@ -163,7 +82,8 @@ def tau(num_tokens: int, accepted_lengths: list[int]) -> float:
 
 def replayed_kinds() -> dict[str, DrafterKind]:
     """The kinds `replay` scores, by their `--draft` prefix ("" for the default kind: NAME=DIR)."""
-    return {("" if kind.replay_default else kind.flag): kind for kind in REGISTRY if kind.replay and kind.flag}
+    return {("" if kind.replay_default else kind.flag): kind for kind in REGISTRY
+            if kind.supports("replay_matches") and kind.flag}
 
 
 def replay_spellings() -> str:
@@ -413,12 +333,11 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
         drafter = load_replay_draft(name, kind, path, target, tokenizer, dtype, device)
         if hasattr(drafter.model, "get_input_embeddings"):  # a draft LM embeds the outputs itself
             require_known_tokens(outputs, drafter.model, f"draft {name!r}")
-        features = target if kind.replay == "features" else None  # it drafts from the target's hidden states
         result = ReplayResult(name, cfg.num_draft_tokens, max_new)
         with tqdm(prompts, desc=name, unit="prompt", disable=not progress) as bar:
             for ids, out in bar:
-                acc, prop = teacher_forced_steps(drafter.model, ids, out, num_draft_tokens=cfg.num_draft_tokens,
-                                                 max_new_tokens=max_new, target=features)
+                acc, prop = teacher_forced_steps(drafter, ids, out, num_draft_tokens=cfg.num_draft_tokens,
+                                                 max_new_tokens=max_new, target=target)
                 result.tokens.append(len(out))
                 result.accepted.append(acc)
                 result.proposed.append(prop)

@@ -46,8 +46,8 @@ KINDS = {
     "medusa": ("medusa", dict(tree="default"), FLOOR),
     "eagle3-chain": ("eagle3", dict(tree="chain"), FLOOR),
     "eagle3-tree": ("eagle3", DYNAMIC, FLOOR),
-    "draft+ngram": ("draft", dict(ngram_hybrid=True), (3, 60)),
-    "eagle3-tree+ngram": ("eagle3", dict(DYNAMIC, ngram_hybrid=True), (3.5, 60)),
+    "draft+ngram": ("draft", dict(hybrid="ngram"), (3, 60)),
+    "eagle3-tree+ngram": ("eagle3", dict(DYNAMIC, hybrid="ngram"), (3.5, 60)),
 }
 
 

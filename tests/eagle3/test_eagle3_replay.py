@@ -9,6 +9,7 @@ import torch
 
 from drafttrain.decoding.drafters.eagle3_cache import Eagle3KVCache
 from drafttrain.decoding.drafters.eagle3 import eagle3_decoder
+from drafttrain.decoding.drafters import Drafter
 from drafttrain.evaluation.replay import teacher_forced_steps
 from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft
 from tiny import greedy_reference
@@ -67,8 +68,8 @@ def test_replay_equals_a_step_by_step_greedy_chain_decoder(trained_pair, k):
         with torch.no_grad():
             tokens, lengths = greedy_chain_decode(target, draft, prompt, k, max_new)
             assert tokens == greedy_reference(target, prompt, max_new, eos=EOS)  # lossless
-            replayed, _ = teacher_forced_steps(draft, prompt, tokens, num_draft_tokens=k, max_new_tokens=max_new,
-                                               target=target)
+            replayed, _ = teacher_forced_steps(Drafter("eagle3", draft), prompt, tokens, num_draft_tokens=k,
+                                               max_new_tokens=max_new, target=target)
         assert replayed == lengths, (prompt, max_new)
         seen.update(lengths)
     assert len(seen) >= min(k, 2) + 1  # the check is not vacuous: several acceptance lengths occurred
@@ -80,10 +81,10 @@ def test_a_trained_draft_is_accepted_more_than_an_untrained_one(trained_pair):
     prompt = [5, 17, 33]
     tokens = greedy_reference(target, prompt, 24, eos=EOS)
     with torch.no_grad():
-        trained = sum(teacher_forced_steps(draft, prompt, tokens, num_draft_tokens=4, max_new_tokens=24,
-                                           target=target)[0])
-        random = sum(teacher_forced_steps(untrained, prompt, tokens, num_draft_tokens=4, max_new_tokens=24,
-                                          target=target)[0])
+        trained = sum(teacher_forced_steps(Drafter("eagle3", draft), prompt, tokens, num_draft_tokens=4,
+                                           max_new_tokens=24, target=target)[0])
+        random = sum(teacher_forced_steps(Drafter("eagle3", untrained), prompt, tokens, num_draft_tokens=4,
+                                          max_new_tokens=24, target=target)[0])
     assert trained > random
 
 
@@ -98,7 +99,7 @@ def test_replay_equals_the_chain_decoders_accepted_and_proposed_lengths(trained_
         real = eagle3_decoder(target, draft, num_draft_tokens=k, tree="chain", eos_token_ids={EOS}).generate(prompt,
                                                                                                             max_new)
         assert real.tokens == greedy_reference(target, prompt, max_new, eos=EOS)
-        accepted, proposed = teacher_forced_steps(draft, prompt, real.tokens, num_draft_tokens=k,
+        accepted, proposed = teacher_forced_steps(Drafter("eagle3", draft), prompt, real.tokens, num_draft_tokens=k,
                                                   max_new_tokens=max_new, target=target)
         assert (accepted, proposed) == (real.accepted_lengths, real.proposed_lengths), (prompt, max_new)
         ended_early += len(real.tokens) < max_new

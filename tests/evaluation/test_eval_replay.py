@@ -11,6 +11,7 @@ from tiny import greedy_reference, noisy_copy, save_pair, tiny_lm, tiny_tokenize
 
 from drafttrain.cli import main
 from drafttrain.decoding import DraftModelProposer, ChainDecoder
+from drafttrain.decoding.drafters.draft_lm import draft_lm_drafter
 from drafttrain.evaluation.replay import (ReplayConfig, chain_accepted_lengths, chain_steps, run_replay, tau,
                                           teacher_forced_steps)
 
@@ -51,7 +52,7 @@ def test_equals_the_decoders_accepted_and_proposed_lengths(k, scale):
                                          num_draft_tokens=k, eos_token_ids=eos)
             real = decoder.generate(prompt, max_new)
             assert real.tokens == output
-            accepted, proposed = teacher_forced_steps(draft, prompt, output, num_draft_tokens=k,
+            accepted, proposed = teacher_forced_steps(draft_lm_drafter(draft), prompt, output, num_draft_tokens=k,
                                                       max_new_tokens=max_new)
             assert accepted == real.accepted_lengths
             assert proposed == real.proposed_lengths
@@ -77,7 +78,8 @@ def test_a_parallel_draft_equals_the_decoders_lengths(k):
         output = greedy_reference(target, prompt, 25)
         decoder = ChainDecoder(target, ParallelDraftProposer(draft, 64, 9, 0.0, 1.0, None), num_draft_tokens=k)
         real = decoder.generate(prompt, 25)
-        accepted, proposed = teacher_forced_steps(draft, prompt, output, num_draft_tokens=k, max_new_tokens=25)
+        accepted, proposed = teacher_forced_steps(draft_lm_drafter(draft), prompt, output, num_draft_tokens=k,
+                                                  max_new_tokens=25)
         assert (accepted, proposed) == (real.accepted_lengths, real.proposed_lengths)
         steps += len(accepted)
     assert steps > 0

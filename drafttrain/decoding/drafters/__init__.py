@@ -1,9 +1,10 @@
 """Drafters, one file per kind: where a decoder's drafts come from. Each file declares its kind
 once, a subclass of `DrafterKind` (`kind.py`) and its one instance `KIND`: class attributes for its
 name, flag and help, and typed methods for how it loads and binds to an engine, how its decoder is
-built, its tree, its costs for the planner and its vLLM method (the base's defaults where it has
-none; `supports(name)` says which it has). `REGISTRY` below is the one list of kinds that the
-factory, eval/compare, the planner, the reports and the vLLM backend read; a new kind is one file
+built, its tree, its costs for the planner, its vLLM method, how `replay` scores it and settings of
+its own, each an eval/compare flag (`--ngram-max`); the base's defaults where it has none
+(`supports(name)` says which it has). `REGISTRY` below is the one list of kinds that the factory,
+eval/compare/replay, the planner, the reports and the vLLM backend read; a new kind is one file
 here and one line in it.
 
 - `plain`: the target alone (K = 0), the baseline;

@@ -30,7 +30,7 @@ from ..engines.compiled import WARMUP_RUNS, CompiledStep, timed_warmup
 from ..engines.static import static_step
 from ..timing import forward_curve, single_token_seconds
 from ..verify import probabilities, sample
-from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, per_token
+from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, per_token, replayed_sequence
 
 if TYPE_CHECKING:
     from ..factory import DecodeSettings
@@ -209,7 +209,7 @@ class DraftLMKind(DrafterKind):
     """A draft LM drafting K tokens in a row on its own cached LM (`--draft DIR`)."""
 
     name, flag, help = "draft", "draft", "Draft model: a directory or hub id with the target's tokenizer."
-    takes_lookup, sglang, replay, replay_default = True, "STANDALONE", "tokens", True
+    takes_lookup, sglang, replay_default = True, "STANDALONE", True
 
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
         """A chain decoder of the draft LM's K tokens in a row, in the target's vocabulary."""
@@ -255,7 +255,7 @@ class DraftLMKind(DrafterKind):
     def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
         """A copy of the target on its own static, compiled LM: alone, and with n-gram lookup's branch."""
         drafter = Drafter(self.name, StaticLM(copy.deepcopy(target), max_length=max_length, compile=True))
-        return [("draft LM", drafter, {}), ("draft LM + n-gram", drafter, {"ngram_hybrid": True})]
+        return [("draft LM", drafter, {}), ("draft LM + n-gram", drafter, {"hybrid": "ngram"})]
 
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's draft model at `path` (with its parallel drafting for a parallel draft)."""
@@ -265,6 +265,18 @@ class DraftLMKind(DrafterKind):
     def vllm_forwards(self, k: int, d: Drafter) -> int:
         """One draft forward per draft token."""
         return k
+
+    @torch.no_grad()
+    def replay_matches(self, d: Drafter, target: torch.nn.Module, prompt: list[int], target_tokens: list[int],
+                       k: int) -> list[bool]:
+        """Whether the draft's greedy token equals the target's at each output position (its guess there does
+        not depend on where the step began): one forward of the draft, the target unused."""
+        if not target_tokens:
+            return []
+        ids = replayed_sequence(d.model, prompt, target_tokens)[1]
+        keep = len(target_tokens) + 1  # logits of the last prompt position onwards
+        logits = d.model(input_ids=ids, logits_to_keep=keep).logits[0, :len(target_tokens)]
+        return [p == t for p, t in zip(logits.argmax(-1).tolist(), target_tokens)]
 
 
 KIND = DraftLMKind()

@@ -36,7 +36,8 @@ from ..tree import TreeDecoder, TreeDrafter
 from ..verify import Greedy, Sampled, probabilities, sample
 from .eagle3_cache import CachedEagle3Draft, as_cached_draft
 from .eagle3_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count
-from .kind import BENCH_TREE_NODES, Drafter, DrafterKind, parameter_share, per_token, require_finite
+from .kind import (BENCH_TREE_NODES, Drafter, DrafterKind, parameter_share, per_token, replayed_sequence,
+                   require_finite)
 
 if TYPE_CHECKING:
     from ..factory import DecodeSettings
@@ -357,7 +358,7 @@ class Eagle3Kind(DrafterKind):
 
     name, flag = "eagle3", "eagle3"
     help = "EAGLE-3 draft directory (SGLang's / vLLM's layout) trained on this target."
-    grows_trees, takes_lookup, sglang, replay = True, True, "EAGLE3", "features"
+    grows_trees, takes_lookup, sglang = True, True, "EAGLE3"
 
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder | TreeDecoder:
         """`eagle3_decoder` of the draft with its tree (`tree`; None: a chain) and the run's rule."""
@@ -432,7 +433,7 @@ class Eagle3Kind(DrafterKind):
         drafter = Drafter(self.name, Eagle3Draft.from_target(target, vocab, aux, dtype=target.dtype, seed=0))
         dynamic = dict(tree="dynamic", tree_nodes=BENCH_TREE_NODES, tree_topk=4)
         return [("EAGLE-3 chain", drafter, {"tree": "chain"}), ("EAGLE-3 dynamic tree", drafter, dynamic),
-                ("EAGLE-3 tree + n-gram", drafter, {**dynamic, "ngram_hybrid": True})]
+                ("EAGLE-3 tree + n-gram", drafter, {**dynamic, "hybrid": "ngram"})]
 
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's EAGLE-3 with the draft at `path`."""
@@ -441,6 +442,36 @@ class Eagle3Kind(DrafterKind):
     def vllm_forwards(self, k: int, d: Drafter) -> int:
         """One draft pass per draft token."""
         return k
+
+
+    @torch.no_grad()
+    def replay_matches(self, d: Drafter, target: torch.nn.Module, prompt: list[int], target_tokens: list[int],
+                       k: int) -> list[list[bool]]:
+        """The grid from ONE forward of the `target` (its features) and ONE K-step unroll of the draft (the
+        target's embedding attached) over (prompt + the target's greedy output), draft j of a step being
+        unroll step j.
+
+        A step that begins with t output tokens emitted (sequence length c = P + t, the draft's cache
+        holding indices 0..c-2) drafts its token j with unroll step j at index c - 2: step 0 reads the
+        target's features there and the pending token, step j >= 1 its own previous hidden state and
+        the next token of the sequence, which IS its own previous draft whenever that was accepted
+        (and after a rejection nothing later counts). A one-token prompt's first step has no index to
+        draft from: it proposes nothing, as the decoder does."""
+        if not target_tokens:
+            return []
+        draft = d.model
+        sequence, ids = replayed_sequence(draft, prompt, target_tokens)
+        hidden_states = target(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+        first = max(len(prompt) - 2, 0)  # the first index a step drafts from
+        steps = max(k, 1)
+        logits = draft(draft.target_features(hidden_states), ids, num_steps=steps, logits_from=first)
+        guesses = draft.to_target_ids(logits[:, 0].argmax(-1)).T.tolist()  # [index - first][step]
+        rows = []
+        for t in range(len(target_tokens)):
+            c = len(prompt) + t
+            rows.append([] if c < 2 else [c + j < len(sequence) and guesses[c - 2 - first][j] == sequence[c + j]
+                                          for j in range(steps)])
+        return rows
 
 
 KIND = Eagle3Kind()

@@ -7,8 +7,8 @@ A kind sets the class attributes it has and overrides `build` and the methods it
 the base's defaults, which mean "none" (`supports(name)` tells a method of its own from a default):
 a kind without a flag is not offered on the command line (the oracle), one without `tree` drafts a
 chain, one without `lookup` cannot be hung from a model drafter's tree (`+ngram`), one without
-`vllm` cannot be served, one without `replay` is not offered by `drafttrain replay`, one without
-`bench_rows` has no row in `bench`'s step-overhead table.
+`vllm` cannot be served, one without `replay_matches` is not offered by `drafttrain replay`, one without
+`bench_rows` has no row in `bench`'s step-overhead table, one without `settings` adds no flag of its own.
 """
 
 from __future__ import annotations
@@ -54,18 +54,26 @@ class DrafterKind:
     takes_lookup: bool = False          # joins a lookup's chain to its own (+ngram), greedy
     planned_from_walks: bool = False    # greedy acceptance walked over calibration outputs
     sglang: str | None = None           # SGLang's --speculative-algorithm for its export, if it serves it
-    replay: str | None = None           # how `replay` scores its export's greedy acceptance from one forward:
-                                        # "tokens" (its own, a draft LM) or "features" (the target's hidden
-                                        # states); None: not replayed
     replay_default: bool = False        # `replay --draft NAME=DIR` (no FLAG: prefix) loads this kind
     served_note: str = ""               # why vLLM's acceptance may differ from ours (no export involved)
 
     def supports(self, name: str) -> bool:
         """Whether this kind has its own `name` method, not the base's "has none" ("vllm": it is served)."""
         default = DrafterKind.__dict__.get(name)
-        if not callable(default) or name in ("build", "supports"):
+        if not callable(default) or name in ("build", "supports", "value"):
             raise AttributeError(f"DrafterKind has no optional method {name!r}")
         return getattr(type(self), name) is not default
+
+    def settings(self) -> dict[str, tuple[str, object]]:
+        """Settings of its own, by field name: (annotation, `config.setting(...)`), each one an `eval`/`compare`
+        flag (`--ngram-max N`) and a value in `DecodeSettings.kind_settings` (read with `value`); none by default."""
+        return {}
+
+    def value(self, s: DecodeSettings | None, name: str) -> object:
+        """Its setting `name` (one of `settings`) under `s`: the run's value, else (unset, or no `s`) its default."""
+        if s is not None and name in s.kind_settings:
+            return s.kind_settings[name]
+        return self.settings()[name][1].default
 
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> Decoder:
         """The decoder of `d` on `target` with the run's settings: what every kind must have."""
@@ -133,6 +141,13 @@ class DrafterKind:
         """`bench`'s step-overhead rows: (label, a random drafter for the tiny `target`, settings); none by default."""
         return []
 
+    def replay_matches(self, d: Drafter, target: torch.nn.Module, prompt: list[int], target_tokens: list[int],
+                       k: int) -> list[bool] | list[list[bool]]:
+        """`replay`'s greedy acceptance of `d` from one forward over (prompt + the target's greedy output),
+        as `evaluation.replay.chain_steps` reads it: whether its draft equals the target's token at each output
+        position, or a grid (per step start t, per draft j < K = `k`); not replayed by default."""
+        raise NotImplementedError(f"drafter kind {self.name!r} is not replayed")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -163,9 +178,18 @@ def parameter_share(module, target, skip: str = "") -> float:
     return own / sum(p.numel() for p in target.parameters())
 
 
+def replayed_sequence(model, prompt: list[int], target_tokens: list[int]) -> tuple[list[int], torch.Tensor]:
+    """`replay_matches`' input: prompt + the target's output, as a list and as one row of ids on `model`'s device."""
+    import torch
+
+    sequence = list(prompt) + list(target_tokens)
+    return sequence, torch.tensor([sequence], dtype=torch.long, device=next(model.parameters()).device)
+
+
 def per_token(one: float, max_k: int) -> list[float]:
     """A drafter that runs one forward per draft token: k of them for k drafts."""
     return [k * one for k in range(max_k + 1)]
 
 
-__all__ = ["BENCH_TREE_NODES", "Drafter", "DrafterKind", "chain_decoder", "parameter_share", "per_token", "require_finite"]
+__all__ = ["BENCH_TREE_NODES", "Drafter", "DrafterKind", "chain_decoder", "parameter_share", "per_token",
+           "replayed_sequence", "require_finite"]

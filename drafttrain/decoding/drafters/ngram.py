@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...config import setting
 from ..chain import ChainDecoder, Proposer
 from ..engines import device_tensor
 from .kind import Drafter, DrafterKind, chain_decoder
@@ -52,13 +53,18 @@ class NgramKind(DrafterKind):
     served_note = ("vLLM continues the earliest match of the longest suffix, drafttrain the latest, so the two "
                    "propose different drafts (no export is involved)")
 
+    def settings(self) -> dict[str, tuple[str, object]]:
+        """--ngram-max N: the longest suffix looked up."""
+        return {"ngram_max": ("int", setting(3, "Longest suffix n-gram that n-gram lookup matches.", metavar="N",
+                                             at_least=1))}
+
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
         """A chain decoder of prompt lookup up to --ngram-max tokens long."""
-        return chain_decoder(target, NgramProposer(target.device, max_ngram=s.ngram_max), s)
+        return chain_decoder(target, NgramProposer(target.device, max_ngram=self.value(s, "ngram_max")), s)
 
     def lookup(self, s: DecodeSettings) -> NgramProposer:
         """Prompt lookup on the host: a hybrid's branch."""
-        return NgramProposer("cpu", max_ngram=s.ngram_max)
+        return NgramProposer("cpu", max_ngram=self.value(s, "ngram_max"))
 
     def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
         """The lookup alone: no model."""
@@ -67,7 +73,7 @@ class NgramKind(DrafterKind):
     def vllm(self, path: str | None, k: int, d: Drafter, s: DecodeSettings | None) -> dict:
         """vLLM's prompt lookup with the same longest n-gram."""
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-                "prompt_lookup_max": s.ngram_max}
+                "prompt_lookup_max": self.value(s, "ngram_max")}
 
 
 KIND = NgramKind()

@@ -27,7 +27,7 @@ from ..engines import CachedLM, StaticLM, as_cached_lm, device_tensor
 from ..timing import forward_curve, forward_seconds, single_token_seconds
 from ..verify import probabilities, sample
 from .draft_lm import DraftLMKind, target_vocab_logits
-from .kind import Drafter, DrafterKind, chain_decoder, parameter_share
+from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, replayed_sequence
 
 if TYPE_CHECKING:
     from ..factory import DecodeSettings
@@ -128,6 +128,35 @@ class ParallelLMKind(DrafterKind):
     def vllm_forwards(self, k: int, d: Drafter) -> int:
         """One draft forward a step, whatever K."""
         return 1
+
+
+    @torch.no_grad()
+    def replay_matches(self, d: Drafter, target: torch.nn.Module, prompt: list[int], target_tokens: list[int],
+                       k: int) -> list[list[bool]]:
+        """The grid from ONE forward over (prompt + the target's output) laid out for every depth at once
+        (`drafttrain.parallel`): the step that begins with t output tokens emitted (last real token at index
+        c - 1, c = P + t) drafts its token j from depth j at position c - 1 + j, which sees x_0 .. x_{c-1} and
+        j masks, as the decoder's forward does. The target unused."""
+        from ...parallel import parallel_layout
+
+        if not target_tokens:
+            return []
+        draft = d.model
+        sequence, ids = replayed_sequence(draft, prompt, target_tokens)
+        ones = torch.ones_like(ids)
+        depth = max(k, 2)
+        start = len(prompt) - 1
+        layout = parallel_layout(ids, ones, torch.arange(len(sequence), device=ids.device)[None], start=start,
+                                 depth=depth, mask_id=d.info["pard_token"])
+        dtype = next(draft.parameters()).dtype
+        logits = draft(input_ids=layout.input_ids, position_ids=layout.position_ids,
+                       attention_mask=layout.additive_mask(dtype), logits_to_keep=layout.logits_to_keep).logits
+        guess = dict(zip(layout.rows(), logits[0].argmax(-1).tolist()))  # (depth, position) -> its draft
+        rows = []
+        for t in range(len(target_tokens)):
+            c = len(prompt) + t
+            rows.append([c + j < len(sequence) and guess.get((j, c - 1 + j)) == sequence[c + j] for j in range(k)])
+        return rows
 
 
 KIND = ParallelLMKind()

@@ -136,7 +136,7 @@ def check_greedy(target, decoder, k, max_new=25):
 def test_greedy_equals_generate(engine, kind, k):
     target = tiny_lm(0)
     draft = noisy_copy(target) if kind == "draft" else tiny_lm(1)
-    settings = DecodeSettings(num_draft_tokens=k, ngram_hybrid=True)
+    settings = DecodeSettings(num_draft_tokens=k, hybrid="ngram")
     decoder = ready(build_decoder(on_engine(target, engine), lm_drafter(kind, draft, engine), settings), engine)
     assert decoder.num_tree_nodes == 2 * k + 1
     check_greedy(target, decoder, k)
@@ -147,7 +147,7 @@ def test_greedy_equals_generate(engine, kind, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_tree_hybrids_equal_generate(models, engine, model, k):
     target, drafter, extra = models[model]
-    settings = DecodeSettings(num_draft_tokens=k, ngram_hybrid=True, **extra)
+    settings = DecodeSettings(num_draft_tokens=k, hybrid="ngram", **extra)
     decoder = ready(build_decoder(on_engine(target, engine), drafter, settings), engine)
     alone = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=k, **extra))
     assert decoder.num_draft_tokens == alone.num_draft_tokens
@@ -174,7 +174,7 @@ def test_hybrids_equal_generate_on_gemma3(gemma3_models, engine, model):
     target, drafter, extra = gemma3_models[model]
     if model in ("draft", "parallel_draft"):
         drafter = lm_drafter(model, drafter, engine)
-    settings = DecodeSettings(num_draft_tokens=3, ngram_hybrid=True, **extra)
+    settings = DecodeSettings(num_draft_tokens=3, hybrid="ngram", **extra)
     check_greedy(target, ready(build_decoder(on_engine(target, engine), drafter, settings), engine), 3)
 
 
@@ -197,7 +197,7 @@ def test_the_hybrid_accepts_at_least_what_each_part_does(models, model):
     taus = {}
     for name, what, hybrid in (("model", drafter, False), ("ngram", Drafter("ngram"), False),
                                ("hybrid", drafter, True)):
-        decoder = build_decoder(target, what, DecodeSettings(num_draft_tokens=3, ngram_hybrid=hybrid, **extra))
+        decoder = build_decoder(target, what, DecodeSettings(num_draft_tokens=3, hybrid="ngram" if hybrid else None, **extra))
         taus[name] = tau(lambda p: decoder)
     check_taus(taus)
 
@@ -214,7 +214,7 @@ def test_a_medusa_hybrid_accepts_at_least_what_each_part_does():
     taus = {}
     for name, hybrid in (("model", False), ("hybrid", True)):
         taus[name] = tau(lambda p: build_decoder(target, Drafter("medusa", heads(p)),
-                                                 DecodeSettings(num_draft_tokens=3, ngram_hybrid=hybrid)))
+                                                 DecodeSettings(num_draft_tokens=3, hybrid="ngram" if hybrid else None)))
     taus["ngram"] = tau(lambda p: build_decoder(target, Drafter("ngram"), DecodeSettings(num_draft_tokens=3)))
     check_taus(taus)
 
@@ -247,7 +247,7 @@ def spy(hybrid) -> list[dict]:
 
 def spied_hybrid(models, model):
     target, drafter, extra = models[model]
-    decoder = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=3, ngram_hybrid=True, **extra))
+    decoder = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=3, hybrid="ngram", **extra))
     return decoder, spy(decoder.drafter)
 
 
@@ -284,20 +284,20 @@ def test_hybrids_refuse_what_they_cannot_verify(models):
     for model in ("draft", "eagle3-chain", "medusa"):
         target, drafter, extra = models[model]
         with pytest.raises(ValueError, match="greedy"):
-            build_decoder(target, drafter, DecodeSettings(ngram_hybrid=True, temperature=0.5, **extra))
+            build_decoder(target, drafter, DecodeSettings(hybrid="ngram", temperature=0.5, **extra))
     for kind in ("ngram", "none"):
         with pytest.raises(ValueError, match=f"not {kind} at"):
-            build_decoder(tiny_lm(0), Drafter(kind), DecodeSettings(ngram_hybrid=True))
+            build_decoder(tiny_lm(0), Drafter(kind), DecodeSettings(hybrid="ngram"))
 
 
 def test_a_hybrid_names_its_tree_and_bounds_its_steps(models):
     eagle3, medusa = models["eagle3-dynamic"][1], models["medusa"][1]
-    s = DecodeSettings(num_draft_tokens=3, tree="dynamic", tree_nodes=12, tree_topk=3, ngram_hybrid=True)
+    s = DecodeSettings(num_draft_tokens=3, tree="dynamic", tree_nodes=12, tree_topk=3, hybrid="ngram")
     assert tree_name(eagle3, s) == "dynamic (12 nodes, top-3) + n-gram chain (up to 3 nodes)"
     assert max_step_tokens(eagle3, s) == 12 + 3
     assert tree_name(Drafter("draft"), s).startswith("model chain + n-gram chain")
     assert max_step_tokens(Drafter("draft"), s) == 2 * 3 + 1
-    chain = DecodeSettings(num_draft_tokens=3, tree="chain", ngram_hybrid=True)
+    chain = DecodeSettings(num_draft_tokens=3, tree="chain", hybrid="ngram")
     assert tree_name(medusa, chain) == "chain + n-gram chain (up to 3 nodes)"
     assert max_step_tokens(medusa, chain) == 3 + 1 + 3
 
@@ -310,7 +310,7 @@ def test_the_lookup_goes_k_deep_where_the_node_budget_keeps_the_model_shallower(
     target, drafter, _ = models["eagle3-dynamic"]
     small = dict(tree="dynamic", tree_nodes=2, tree_topk=2)
     alone = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=3, **small))
-    hybrid = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=3, ngram_hybrid=True, **small))
+    hybrid = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=3, hybrid="ngram", **small))
     assert (alone.num_draft_tokens, alone.num_tree_nodes) == (1, 2)
     assert (hybrid.num_draft_tokens, hybrid.num_tree_nodes) == (3, 2 + 3)
     steps = spy(hybrid.drafter)
