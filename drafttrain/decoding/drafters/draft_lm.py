@@ -110,11 +110,15 @@ class DraftModelProposer(Proposer):
         self.pending = tokens[-1:]
         self.fed = 0
 
+    def warmup_sizes(self) -> list[int]:
+        """Pending is one token (the bonus) or two (the last draft + the bonus). Beside n-gram
+        lookup (+ngram) a step may accept the lookup's branch: up to K + 1 tokens, all but the last
+        fed first (bucket K + 1). Sampled drafts go one by one (buckets 1 and 2)."""
+        return [1, 2, self.k + 1]
+
     def warmup(self) -> float:
-        # Pending is one token (the bonus) or two (the last draft + the bonus). Beside n-gram lookup
-        # (+ngram) a step may accept the lookup's branch: up to K + 1 tokens, all but the last fed
-        # first (bucket K + 1). Sampled drafts go one by one (buckets 1 and 2).
-        seconds = self.lm.warmup([1, 2, self.k + 1])
+        """The LM's steps (`warmup_sizes`), then, greedy on the static engine, the K-draft chain."""
+        seconds = super().warmup()
         if not self.one_graph:
             return seconds
         keys = [(p, self.k) for p in (1, 2)]

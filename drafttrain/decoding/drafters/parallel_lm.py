@@ -55,10 +55,10 @@ class ParallelDraftProposer(Proposer):
         self.lm.reset()
         self.pending = list(prompt)
 
-    def warmup(self) -> float:
+    def warmup_sizes(self) -> list[int]:
         """A step feeds 1 .. K pending tokens and K-1 masks: sizes K .. 2K-1."""
         k = self.parallel_tokens or 4
-        return self.lm.warmup(list(range(k, 2 * k)))
+        return list(range(k, 2 * k))
 
     def propose(self, k, sequence):
         if k == 0:
