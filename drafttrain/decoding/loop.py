@@ -68,6 +68,7 @@ class Decoder:
     """
 
     name = "decoder"
+    verdict = None  # a greedy verdict run in the target's verification graph (`verify.GreedyVerdict`)
 
     def __init__(self, target, *, temperature: float = 0.0, top_p: float = 1.0,
                  eos_token_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
@@ -96,8 +97,6 @@ class Decoder:
     def num_tree_nodes(self) -> int:
         """Tokens one full verification forward processes (pending included)."""
         return self.num_draft_tokens + 1
-
-    verdict = None  # a greedy verdict run in the target's verification graph (`verify.GreedyVerdict`)
 
     def drafting(self):
         """The decoder's drafter (a `chain.Proposer` or a `tree.TreeDrafter`); None: plain decoding."""

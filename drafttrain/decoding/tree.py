@@ -48,6 +48,7 @@ class TreeDrafter:
     max_nodes: int
     paths: list | None = None
     forwards = 0  # the drafter's model forwards so far (SPEC §7 draft_forwards)
+    wraps = None  # the drafter this one drafts through, if any (the hybrids' `ChainAsTree`, `HybridDrafter`)
 
     def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         """A new sequence; `hidden`: the target's hidden states of prompt[:-1] (None if empty)."""
@@ -69,8 +70,6 @@ class TreeDrafter:
         hidden = verified.hidden
         kept = hidden.index_select(0, verified.path)[:len(verified.nodes)] if hidden is not None else None
         self.commit(verified.nodes, verified.accepted, verified.bonus, hidden=kept)
-
-    wraps = None  # the drafter this one drafts through, if any (the hybrids' `ChainAsTree`, `HybridDrafter`)
 
     def warmup(self) -> float:
         """Compile/capture whatever the drafter runs; returns the seconds spent. Here: the warm-up
