@@ -57,8 +57,14 @@ class Proposer:
             self.commit(n_accepted, emitted)
 
     def warmup(self) -> float:
-        """Compile/capture whatever the proposer runs; returns the seconds spent."""
-        return 0.0
+        """Compile/capture whatever the proposer runs; returns the seconds spent. Here: the steps
+        of `warmup_sizes` tokens on the proposer's own cached LM (`lm`), where it has one."""
+        lm = getattr(self, "lm", None)
+        return lm.warmup(self.warmup_sizes()) if lm is not None else 0.0
+
+    def warmup_sizes(self) -> list[int]:
+        """The step sizes the proposer's own cached LM runs (none without one)."""
+        return []
 
 
 class NoProposer(Proposer):
@@ -96,17 +102,8 @@ class ChainDecoder(Decoder):
         """Chain verification as a Medusa tree: (0,), (0, 0), ... K deep."""
         return [(0,) * d for d in range(1, self.k + 1)]
 
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return tuple(getattr(self.proposer, "hidden_layers", ()))
-
-    def drafter_forwards(self) -> int:
-        return self.proposer.forwards
-
-    def warmup(self) -> float:
-        seconds = self.target.warmup(self.step_sizes(), hidden_layers=self.hidden_layers, verdict=self.verdict)
-        warm = getattr(self.proposer, "warmup", None)
-        return seconds + (warm() if warm else 0.0)
+    def drafting(self) -> Proposer:
+        return self.proposer
 
     def _start(self, prompt, hidden):
         if self.hidden_layers:

@@ -68,6 +68,7 @@ class Decoder:
     """
 
     name = "decoder"
+    verdict = None  # a greedy verdict run in the target's verification graph (`verify.GreedyVerdict`)
 
     def __init__(self, target, *, temperature: float = 0.0, top_p: float = 1.0,
                  eos_token_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
@@ -97,19 +98,32 @@ class Decoder:
         """Tokens one full verification forward processes (pending included)."""
         return self.num_draft_tokens + 1
 
+    def drafting(self):
+        """The decoder's drafter (a `chain.Proposer` or a `tree.TreeDrafter`); None: plain decoding."""
+        return None
+
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         """Target hidden layers the drafter reads (transformers' `output_hidden_states` indexing)."""
-        return ()
+        return tuple(getattr(self.drafting(), "hidden_layers", ()))
 
     def step_sizes(self) -> list[int]:
         """Target forward sizes the steps use (the static engine's buckets)."""
         return [1] if self.num_draft_tokens == 0 else sorted({1, 2, self.num_draft_tokens + 1})
 
+    def target_shapes(self) -> dict:
+        """The target's warm-up options besides its step sizes, hidden layers and verdict (a
+        tree's: the kept path's width, the tree's depth)."""
+        return {}
+
     def warmup(self) -> float:
         """Compile and capture every shape this decoder's steps use (target and drafter), so no
-        timed step ever compiles. Returns the seconds spent (0 on the eager engine)."""
-        return self.target.warmup(self.step_sizes(), hidden_layers=self.hidden_layers)
+        timed step ever compiles. Returns the seconds spent (0 on the eager engine). The target
+        first: a drafter may read what it registered (`MedusaDrafter.warmup`)."""
+        seconds = self.target.warmup(self.step_sizes(), hidden_layers=self.hidden_layers, verdict=self.verdict,
+                                     **self.target_shapes())
+        drafter = self.drafting()
+        return seconds + (drafter.warmup() if drafter is not None else 0.0)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -122,7 +136,8 @@ class Decoder:
 
     def drafter_forwards(self) -> int:
         """The drafter's model forwards so far (0 for lookups and plain decoding)."""
-        return 0
+        drafter = self.drafting()
+        return drafter.forwards if drafter is not None else 0
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
         out = Generation(margins=[] if self.record_margins else None)

@@ -48,6 +48,7 @@ class TreeDrafter:
     max_nodes: int
     paths: list | None = None
     forwards = 0  # the drafter's model forwards so far (SPEC §7 draft_forwards)
+    wraps = None  # the drafter this one drafts through, if any (the hybrids' `ChainAsTree`, `HybridDrafter`)
 
     def reset(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         """A new sequence; `hidden`: the target's hidden states of prompt[:-1] (None if empty)."""
@@ -71,7 +72,9 @@ class TreeDrafter:
         self.commit(verified.nodes, verified.accepted, verified.bonus, hidden=kept)
 
     def warmup(self) -> float:
-        return 0.0
+        """Compile/capture whatever the drafter runs; returns the seconds spent. Here: the warm-up
+        of the drafter it wraps, if any."""
+        return self.wraps.warmup() if self.wraps is not None else 0.0
 
     def candidates(self) -> tuple[list[int], list[int], list[int]] | None:
         """The last draft's candidates best first, every node drafted whether the tree kept it or
@@ -108,12 +111,8 @@ class TreeDecoder(Decoder):
     def num_tree_nodes(self) -> int:
         return self.drafter.max_nodes
 
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return tuple(self.drafter.hidden_layers)
-
-    def drafter_forwards(self) -> int:
-        return self.drafter.forwards
+    def drafting(self) -> TreeDrafter:
+        return self.drafter
 
     @property
     def tree(self):
@@ -123,11 +122,8 @@ class TreeDecoder(Decoder):
     def step_sizes(self) -> list[int]:
         return sorted({1, self.drafter.max_nodes})
 
-    def warmup(self) -> float:
-        seconds = self.target.warmup(self.step_sizes(), hidden_layers=self.hidden_layers,
-                                     keep_width=self.drafter.max_depth + 1, verdict=self.verdict,
-                                     tree_depth=self.drafter.max_depth)
-        return seconds + self.drafter.warmup()
+    def target_shapes(self) -> dict:
+        return dict(keep_width=self.drafter.max_depth + 1, tree_depth=self.drafter.max_depth)
 
     def _start(self, prompt, hidden):
         self.drafter.reset(prompt, hidden)

@@ -143,6 +143,11 @@ class Greedy:
 
     greedy = True
 
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """A draft's tokens from its `logits` [..., V] -> ([...], None): the argmax, the token this
+        rule accepts when the target agrees (a deterministic draft: q is one-hot, not returned)."""
+        return logits.argmax(dim=-1), None
+
     def chain(self, draft: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
         """[n, emitted_1, ...]: `verify_greedy` (q is not read: greedy drafts are deterministic)."""
         return verify_greedy(draft, logits)
@@ -162,6 +167,14 @@ class Sampled:
         if not temperature > 0:
             raise ValueError(f"sampling needs a temperature above 0, got {temperature}")
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft's tokens from its `logits` [..., V] -> ([...], q [..., V]): drawn from q, the
+        draft's distribution under this rule's temperature and top-p. The rejection rule reads q
+        beside the target's p made by the same transform (`probabilities`): a draft drawn from
+        anything else would make the emitted text drift from the target's."""
+        q = probabilities(logits, self.temperature, self.top_p)
+        return sample(q, self.generator), q
 
     def chain(self, draft: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
         return verify_sampled(draft, q, probabilities(logits, self.temperature, self.top_p), self.generator)

@@ -29,10 +29,9 @@ def proposers(target, engine="eager"):
     return {
         "none": lambda: NoProposer(CPU),
         "ngram": lambda: NgramProposer(CPU),
-        "random-draft": lambda: DraftModelProposer(on_engine(tiny_lm(1), engine), 64, 0.0, 1.0, None),
-        "noisy-draft": lambda: DraftModelProposer(on_engine(noisy_copy(target, scale=0.08), engine), 64, 0.0, 1.0,
-                                                  None),
-        "self-draft": lambda: DraftModelProposer(on_engine(target, engine), 64, 0.0, 1.0, None),
+        "random-draft": lambda: DraftModelProposer(on_engine(tiny_lm(1), engine), 64),
+        "noisy-draft": lambda: DraftModelProposer(on_engine(noisy_copy(target, scale=0.08), engine), 64),
+        "self-draft": lambda: DraftModelProposer(on_engine(target, engine), 64),
     }
 
 
@@ -126,7 +125,7 @@ def test_padded_draft_vocabulary(target):
     draft.resize_token_embeddings(80)
     with torch.no_grad():
         draft.lm_head.weight[64:] = 100.0  # would win every argmax if not masked off
-    decoder = ChainDecoder(target, DraftModelProposer(draft, 64, 0.0, 1.0, None), num_draft_tokens=3)
+    decoder = ChainDecoder(target, DraftModelProposer(draft, 64), num_draft_tokens=3)
     gen = decoder.generate(PROMPTS[0], 20)
     assert gen.tokens == reference(target, PROMPTS[0], 20)
     assert sum(gen.accepted_lengths) > 0

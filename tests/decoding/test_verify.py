@@ -10,7 +10,7 @@ from sampling_reference import V, chi2_pvalue, exact_two_token_distribution
 from tiny import tiny_causal_lm, tiny_lm
 
 from drafttrain.decoding import DraftModelProposer, NgramProposer, ChainDecoder
-from drafttrain.decoding.verify import probabilities, verify_greedy, verify_sampled
+from drafttrain.decoding.verify import Greedy, Sampled, probabilities, verify_greedy, verify_sampled
 
 
 
@@ -88,6 +88,24 @@ def test_probabilities_top_p_and_temperature():
     assert torch.allclose(hot, ref / ref.sum())
 
 
+def test_rules_pick_drafts_from_the_distribution_they_verify_against():
+    """`Greedy.pick` is the argmax (no q); `Sampled.pick` draws from `probabilities` at the rule's
+    temperature and top-p and returns that q, row by row, drawing from the rule's generator."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64))
+    tokens, q = Greedy().pick(logits)
+    assert tokens.tolist() == [0, 3] and q is None
+    rule = Sampled(0.7, 0.6, torch.Generator().manual_seed(0))
+    draws = torch.stack([rule.pick(logits)[0] for _ in range(2000)])
+    tokens, q = rule.pick(logits)
+    assert tokens.shape == (2,) and torch.equal(q, probabilities(logits, 0.7, 0.6))
+    for row in range(2):
+        seen = torch.bincount(draws[:, row], minlength=4).double() / len(draws)
+        assert ((seen > 0) <= (q[row] > 0)).all()  # top-p's cut tokens are never drawn
+        assert torch.allclose(seen, q[row], atol=0.04)
+    again = Sampled(0.7, 0.6, torch.Generator().manual_seed(0))
+    assert torch.equal(torch.stack([again.pick(logits)[0] for _ in range(2000)]), draws)
+
+
 @pytest.mark.parametrize("engine", ["eager", "static"])
 @pytest.mark.parametrize("proposer,temperature,top_p", [("draft", 1.0, 1.0), ("draft", 0.8, 0.9),
                                                         ("ngram", 1.0, 1.0)])
@@ -98,10 +116,10 @@ def test_sampled_text_follows_target_distribution(proposer, temperature, top_p, 
     prompt = [1, 3, 1, 3, 1]  # repetitive, so n-gram lookup proposes too
     exact = exact_two_token_distribution(target, prompt, temperature, top_p, V)
     g = torch.Generator().manual_seed(1234)
-    prop = (DraftModelProposer(on_engine(far_draft, engine), V, temperature, top_p, g) if proposer == "draft"
+    rule = Sampled(temperature, top_p, g)
+    prop = (DraftModelProposer(on_engine(far_draft, engine), V, rule) if proposer == "draft"
             else NgramProposer(torch.device("cpu")))
-    decoder = ChainDecoder(on_engine(target, engine), prop, num_draft_tokens=3, temperature=temperature,
-                                 top_p=top_p, generator=g)
+    decoder = ChainDecoder(on_engine(target, engine), prop, num_draft_tokens=3, rule=rule)
     n, counts, accepted = 2000, {}, 0
     for _ in range(n):  # one seeded generator: repeated prompts must give independent samples
         gen = decoder.generate(prompt, 3)
@@ -129,8 +147,9 @@ def test_same_seed_same_samples_and_repeats_differ(engine):
 
     def run():
         g = torch.Generator().manual_seed(5)
-        dec = ChainDecoder(on_engine(target, engine), DraftModelProposer(on_engine(draft, engine), V, 1.0, 1.0, g),
-                                 num_draft_tokens=3, temperature=1.0, generator=g)
+        rule = Sampled(1.0, 1.0, g)
+        dec = ChainDecoder(on_engine(target, engine), DraftModelProposer(on_engine(draft, engine), V, rule),
+                           num_draft_tokens=3, rule=rule)
         return [dec.generate([1, 2, 3], 12).tokens for _ in range(6)]
 
     first, second = run(), run()

@@ -48,7 +48,7 @@ def test_equals_the_decoders_accepted_and_proposed_lengths(k, scale):
             if eos is None:  # an EOS inside the output: the target stops there
                 eos = {output[13]}
                 output = greedy_reference(target, prompt, max_new, eos=output[13])
-            decoder = ChainDecoder(target, DraftModelProposer(draft, 64, 0.0, 1.0, None),
+            decoder = ChainDecoder(target, DraftModelProposer(draft, 64),
                                          num_draft_tokens=k, eos_token_ids=eos)
             real = decoder.generate(prompt, max_new)
             assert real.tokens == output
@@ -76,7 +76,7 @@ def test_a_parallel_draft_equals_the_decoders_lengths(k):
     steps = 0
     for prompt in PROMPTS:
         output = greedy_reference(target, prompt, 25)
-        decoder = ChainDecoder(target, ParallelDraftProposer(draft, 64, 9, 0.0, 1.0, None), num_draft_tokens=k)
+        decoder = ChainDecoder(target, ParallelDraftProposer(draft, 64, 9), num_draft_tokens=k)
         real = decoder.generate(prompt, 25)
         accepted, proposed = teacher_forced_steps(draft_lm_drafter(draft), prompt, output, num_draft_tokens=k,
                                                   max_new_tokens=25)

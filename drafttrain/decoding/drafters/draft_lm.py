@@ -10,7 +10,8 @@ target's verification (which computes the verdict). Pending stays on the device:
 is a view of the target's verdict (`keep`), never a host list copied over.
 The prompt (all but its last token) goes into the draft's cache at `reset`, beside the target's
 prefill, not in the first step. Sampling, and drafts on the eager engine, run the same drafts as
-one forward per token (a sampled draft draws from a generator and returns its q).
+one forward per token, each token picked by the decoder's rule (`rule.pick`: the argmax, or a
+draw from q, returned beside it)).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..engines import CachedLM, StaticLM, as_cached_lm, cached_lm, device_tensor
 from ..engines.compiled import WARMUP_RUNS, CompiledStep, timed_warmup
 from ..engines.static import static_step
 from ..timing import forward_curve, single_token_seconds
-from ..verify import probabilities, sample
+from ..verify import Greedy, Sampled
 from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, per_token, replayed_sequence
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ class DraftModelProposer(Proposer):
     The cache holds every token of the sequence except `pending` (tokens emitted but not yet fed
     to the draft, [p] on the device). Feeding `pending` first is what puts the last accepted token
     into the draft's cache when all k drafts were accepted (the k-th draft itself was never fed).
-    `model`: a cached LM (any engine) or a plain HF model (eager).
+    `model`: a cached LM (any engine) or a plain HF model (eager); `rule`: the decoder's
+    acceptance rule (None: greedy), which picks each draft (`rule.pick`).
 
     Greedy on the static engine, a step's drafts are `draft_chain`: one compiled call (compiled
     for pending widths 1 and 2 at `warmup`; other shapes run the same function uncompiled). It
@@ -82,18 +84,18 @@ class DraftModelProposer(Proposer):
 
     name = "draft"
 
-    def __init__(self, model, target_vocab_size: int, temperature: float, top_p: float,
-                 generator: torch.Generator | None, num_draft_tokens: int = 1):
+    def __init__(self, model, target_vocab_size: int, rule: Greedy | Sampled | None = None,
+                 num_draft_tokens: int = 1):
         """`num_draft_tokens`: K, which bounds what the draft catches up with in one forward."""
         self.lm = as_cached_lm(model)
         self.k = num_draft_tokens
         self.vocab = target_vocab_size
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.rule = rule or Greedy()
         self.device = self.lm.device
         self.pending = torch.empty(0, dtype=torch.long, device=self.device)
         self.fed = 0  # drafts of the current step fed back into the cache
         # greedy on the static engine: K drafts as one function (`draft_chain`)
-        self.one_graph = temperature == 0 and isinstance(self.lm, StaticLM)
+        self.one_graph = self.rule.greedy and isinstance(self.lm, StaticLM)
         self._chains: dict[int, CompiledStep] = {}  # draft count -> its compiled chain
         self._warm: set[tuple[int, int]] = set()     # (pending width, draft count) compiled at warm-up
         if self.one_graph:
@@ -108,11 +110,15 @@ class DraftModelProposer(Proposer):
         self.pending = tokens[-1:]
         self.fed = 0
 
+    def warmup_sizes(self) -> list[int]:
+        """Pending is one token (the bonus) or two (the last draft + the bonus). Beside n-gram
+        lookup (+ngram) a step may accept the lookup's branch: up to K + 1 tokens, all but the last
+        fed first (bucket K + 1). Sampled drafts go one by one (buckets 1 and 2)."""
+        return [1, 2, self.k + 1]
+
     def warmup(self) -> float:
-        # Pending is one token (the bonus) or two (the last draft + the bonus). Beside n-gram lookup
-        # (+ngram) a step may accept the lookup's branch: up to K + 1 tokens, all but the last fed
-        # first (bucket K + 1). Sampled drafts go one by one (buckets 1 and 2).
-        seconds = self.lm.warmup([1, 2, self.k + 1])
+        """The LM's steps (`warmup_sizes`), then, greedy on the static engine, the K-draft chain."""
+        seconds = super().warmup()
         if not self.one_graph:
             return seconds
         keys = [(p, self.k) for p in (1, 2)]
@@ -145,11 +151,9 @@ class DraftModelProposer(Proposer):
         for i in range(k):
             logits = target_vocab_logits(self.lm.forward(step_input)[0][-1], self.vocab)
             self.forwards += 1
-            if self.temperature == 0:
-                token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                q = probabilities(logits, self.temperature, self.top_p)
-                token = sample(q, self.generator).view(1)
+            token, q = self.rule.pick(logits)
+            token = token.view(1)
+            if q is not None:
                 dists.append(q)
             tokens.append(token)
             if i + 1 < k:
@@ -213,9 +217,9 @@ class DraftLMKind(DrafterKind):
 
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
         """A chain decoder of the draft LM's K tokens in a row, in the target's vocabulary."""
-        proposer = DraftModelProposer(d.model, output_vocab_size(target.model), s.temperature, s.top_p, s.generator,
-                                      s.num_draft_tokens)
-        return chain_decoder(target, proposer, s)
+        rule = s.rule()
+        proposer = DraftModelProposer(d.model, output_vocab_size(target.model), rule, s.num_draft_tokens)
+        return chain_decoder(target, proposer, s, rule=rule)
 
     def load(self, path: str | None, target: torch.nn.Module, tokenizer: object, device: torch.device,
              dtype: torch.dtype) -> Drafter:

@@ -33,7 +33,7 @@ from ..chain import ChainDecoder, Proposer
 from ..engines import CachedLM, StaticLM, as_cached_lm, device_tensor
 from ..timing import single_token_seconds, timed
 from ..tree import TreeDecoder, TreeDrafter
-from ..verify import Greedy, Sampled, probabilities, sample
+from ..verify import Greedy, Sampled
 from .eagle3_cache import CachedEagle3Draft, as_cached_draft
 from .eagle3_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count
 from .kind import (BENCH_TREE_NODES, Drafter, DrafterKind, parameter_share, per_token, replayed_sequence,
@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
 
 class Eagle3Proposer(Proposer):
-    """A chain of K drafts: greedy, or (`rule` a `verify.Sampled`) each sampled from the draft's
-    distribution at the rule's temperature and top-p."""
+    """A chain of K drafts: greedy, or (`rule` a `verify.Sampled`) each picked by the rule from the
+    draft's distribution (`rule.pick`: a draw at the rule's temperature and top-p)."""
 
     name = "eagle3"
 
@@ -100,13 +100,11 @@ class Eagle3Proposer(Proposer):
             return drafts[:k], None
         if self.rule.greedy:  # K drafts, cut to k
             return self._greedy_chain()[:k], None
-        rule = self.rule
         logits, hidden = last.logits[:, -1:], last.hidden[:, -1:]
         tokens, dists = [], []
         for j in range(k):
-            target_logits = cached.draft.to_target_logits(logits[0, -1])
-            q = probabilities(target_logits, rule.temperature, rule.top_p)
-            token = sample(q, rule.generator).view(1)
+            token, q = self.rule.pick(cached.draft.to_target_logits(logits[0, -1]))
+            token = token.view(1)
             dists.append(q)
             tokens.append(token)
             if j + 1 < k:  # the draft at position committed + j reads its own last output

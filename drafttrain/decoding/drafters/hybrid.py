@@ -70,6 +70,7 @@ class ChainAsTree(TreeDrafter):
 
     def __init__(self, proposer: Proposer, k: int, device):
         self.proposer, self.device = proposer, torch.device(device)
+        self.wraps = proposer
         self.hidden_layers = tuple(proposer.hidden_layers)
         self.max_depth, self.max_nodes = k, k + 1
         self.sequence: list[int] = []  # what `propose` reads: the text so far
@@ -83,9 +84,6 @@ class ChainAsTree(TreeDrafter):
     def reset(self, prompt, hidden=None):
         self.sequence = list(prompt)
         self.proposer.reset(prompt, hidden=hidden)
-
-    def warmup(self) -> float:
-        return self.proposer.warmup()
 
     def draft(self, root, depth):
         drafts = self.proposer.propose(depth, self.sequence)[0] if depth else root.reshape(1)[:0]
@@ -109,6 +107,7 @@ class HybridDrafter(TreeDrafter):
 
     def __init__(self, model: TreeDrafter, device, lookup, depth: int):
         self.model, self.device, self.lookup = model, torch.device(device), lookup
+        self.wraps = model
         self.hidden_layers = tuple(model.hidden_layers)
         # The lookup adds at most one chain, `depth` deep (the run's K): as deep as the model's tree
         # or deeper, where a node budget keeps the model shallower than K (EAGLE-3's dynamic tree
@@ -133,9 +132,6 @@ class HybridDrafter(TreeDrafter):
         self.sequence = list(prompt)
         self.lookup.reset(prompt)
         self.model.reset(prompt, hidden)
-
-    def warmup(self) -> float:
-        return self.model.warmup()
 
     def candidates(self):
         """The model's own candidates; the lookup's chain is `last_lookup`."""

@@ -152,12 +152,14 @@ class DrafterKind:
         return f"{type(self).__name__}()"
 
 
-def chain_decoder(target, proposer, s, k: int | None = None):
-    """A chain decoder of `proposer` with the run's settings (K drafts, or `k`)."""
+def chain_decoder(target, proposer, s, k: int | None = None, rule=None):
+    """A chain decoder of `proposer` with the run's settings (K drafts, or `k`). `rule`: the one
+    the proposer picks its drafts with (`rule.pick`), so that both read one generator; None: the
+    settings' (`s.rule()`)."""
     from ..chain import ChainDecoder
 
     return ChainDecoder(target, proposer, num_draft_tokens=s.num_draft_tokens if k is None else k,
-                        rule=s.rule(), eos_token_ids=s.eos_token_ids, record_margins=s.record_margins)
+                        rule=rule or s.rule(), eos_token_ids=s.eos_token_ids, record_margins=s.record_margins)
 
 
 def require_finite(module, what: str, path: str) -> None:

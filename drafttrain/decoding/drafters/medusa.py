@@ -43,7 +43,7 @@ from ..engines.compiled import WARMUP_RUNS, CompiledStep, timed_warmup
 from ..engines.static import StaticLM, move_entries
 from ..timing import timed
 from ..tree import TreeDecoder, TreeDrafter, Verified
-from ..verify import Greedy, Sampled, probabilities, sample
+from ..verify import Greedy, Sampled
 from .kind import Drafter, DrafterKind, parameter_share, per_token, require_finite
 
 if TYPE_CHECKING:
@@ -212,8 +212,8 @@ class MedusaDrafter(TreeDrafter):
 
 
 class MedusaProposer(Proposer):
-    """Sampling: one token per head, drawn from the head's own distribution at the temperature and
-    top-p of `rule` (a `verify.Sampled`: the decoder's rule)."""
+    """Sampling: one token per head, picked by `rule` (a `verify.Sampled`: the decoder's rule) from
+    the head's own distribution (`rule.pick`: a draw at the rule's temperature and top-p)."""
 
     name = "medusa"
 
@@ -231,9 +231,9 @@ class MedusaProposer(Proposer):
     def propose(self, k, sequence):
         if self.hidden is None or k == 0:
             return self.empty, None
-        q = probabilities(head_logits(self.heads, self.hidden, k, self.device), self.rule.temperature, self.rule.top_p)
+        tokens, q = self.rule.pick(head_logits(self.heads, self.hidden, k, self.device))
         self.forwards += 1
-        return sample(q, self.rule.generator), q
+        return tokens, q
 
     def commit(self, n_accepted, emitted, hidden=None):
         self.hidden = hidden[-1]

@@ -25,7 +25,7 @@ from ...tokens import output_vocab_size
 from ..chain import ChainDecoder, Proposer
 from ..engines import CachedLM, StaticLM, as_cached_lm, device_tensor
 from ..timing import forward_curve, forward_seconds, single_token_seconds
-from ..verify import probabilities, sample
+from ..verify import Greedy, Sampled
 from .draft_lm import DraftLMKind, target_vocab_logits
 from .kind import Drafter, DrafterKind, chain_decoder, parameter_share, replayed_sequence
 
@@ -36,15 +36,16 @@ if TYPE_CHECKING:
 
 class ParallelDraftProposer(Proposer):
     """`model`: a cached LM (any engine) or a plain HF model; `mask_id`: its `pard_token`;
-    `parallel_tokens`: the K it was trained for (the static engine's step sizes)."""
+    `parallel_tokens`: the K it was trained for (the static engine's step sizes); `rule`: the
+    decoder's acceptance rule (None: greedy), which picks the drafts (`rule.pick`)."""
 
     name = "parallel_draft"
 
-    def __init__(self, model, target_vocab_size: int, mask_id: int, temperature: float, top_p: float,
-                 generator: torch.Generator | None, parallel_tokens: int | None = None):
+    def __init__(self, model, target_vocab_size: int, mask_id: int, rule: Greedy | Sampled | None = None,
+                 parallel_tokens: int | None = None):
         self.lm = as_cached_lm(model)
         self.vocab, self.mask_id = target_vocab_size, mask_id
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.rule = rule or Greedy()
         self.parallel_tokens = parallel_tokens
         self.device = self.lm.device
         self.pending: list[int] = []
@@ -54,10 +55,10 @@ class ParallelDraftProposer(Proposer):
         self.lm.reset()
         self.pending = list(prompt)
 
-    def warmup(self) -> float:
+    def warmup_sizes(self) -> list[int]:
         """A step feeds 1 .. K pending tokens and K-1 masks: sizes K .. 2K-1."""
         k = self.parallel_tokens or 4
-        return self.lm.warmup(list(range(k, 2 * k)))
+        return list(range(k, 2 * k))
 
     def propose(self, k, sequence):
         if k == 0:
@@ -67,10 +68,8 @@ class ParallelDraftProposer(Proposer):
         self.forwards += 1
         self.lm.rollback(self.lm.length - (k - 1))  # the masks' entries: only the real tokens stay
         self.pending = []
-        if self.temperature == 0:
-            return logits.argmax(dim=-1), None
-        q = probabilities(logits, self.temperature, self.top_p)
-        return sample(q, self.generator).view(k), q
+        tokens, q = self.rule.pick(logits)
+        return tokens.view(k), q
 
     def commit(self, n_accepted, emitted, hidden=None):
         self.pending = self.pending + list(emitted)  # accepted drafts and the bonus: real tokens now
@@ -90,10 +89,10 @@ class ParallelLMKind(DrafterKind):
 
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder:
         """A chain decoder of K drafts from one forward of the pending tokens and K - 1 masks."""
-        proposer = ParallelDraftProposer(d.model, output_vocab_size(target.model), d.info["pard_token"],
-                                         s.temperature, s.top_p, s.generator,
+        rule = s.rule()
+        proposer = ParallelDraftProposer(d.model, output_vocab_size(target.model), d.info["pard_token"], rule,
                                          parallel_tokens=d.info.get("parallel_tokens"))
-        return chain_decoder(target, proposer, s)
+        return chain_decoder(target, proposer, s, rule=rule)
 
     def step_seconds(self, d: Drafter, target_lm: CachedLM, ids: list[int], max_k: int, acceptance: list[float],
                      repeats: int) -> tuple[list[float], list[str]]:

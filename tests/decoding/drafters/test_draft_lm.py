@@ -26,7 +26,7 @@ def test_k_drafts_are_one_compiled_call_per_step(monkeypatch):
     monkeypatch.setenv("DRAFTTRAIN_COMPILE_BACKEND", "eager")
     target = tiny_lm(0)
     draft = StaticLM(noisy_copy(target, scale=0.08), max_length=64, compile=True)
-    proposer = DraftModelProposer(draft, 64, 0.0, 1.0, None, num_draft_tokens=K)
+    proposer = DraftModelProposer(draft, 64, num_draft_tokens=K)
     decoder = ChainDecoder(StaticLM(target, max_length=64, compile=True), proposer, num_draft_tokens=K)
     decoder.warmup()
     before, accepted = dict(counters["frames"]), []

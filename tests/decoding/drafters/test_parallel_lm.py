@@ -12,14 +12,14 @@ from tiny import greedy_reference, tiny_causal_lm, tiny_lm
 
 from drafttrain.decoding import ChainDecoder, DecodeSettings, Drafter, build_decoder
 from drafttrain.decoding.drafters.parallel_lm import ParallelDraftProposer
+from drafttrain.decoding.verify import Sampled
 
 MASK = 9
 PROMPTS = [[5, 9, 13, 7, 5, 9], [40], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5]]
 
 
-def parallel(model, engine, k=4, temperature=0.0, top_p=1.0, generator=None, vocab=64):
-    return ParallelDraftProposer(on_engine(model, engine), vocab, MASK, temperature, top_p, generator,
-                                 parallel_tokens=k)
+def parallel(model, engine, k=4, vocab=64):
+    return ParallelDraftProposer(on_engine(model, engine), vocab, MASK, parallel_tokens=k)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -74,8 +74,9 @@ def test_sampled_text_follows_target_distribution(engine, arch="llama"):
     prompt = [1, 3, 1, 3, 1]
     exact = exact_two_token_distribution(target, prompt, 1.0, 1.0, V)
     g = torch.Generator().manual_seed(99)
-    proposer = ParallelDraftProposer(on_engine(far_draft, engine), V, 5, 1.0, 1.0, g, parallel_tokens=3)
-    decoder = ChainDecoder(on_engine(target, engine), proposer, num_draft_tokens=3, temperature=1.0, generator=g)
+    rule = Sampled(1.0, 1.0, g)
+    proposer = ParallelDraftProposer(on_engine(far_draft, engine), V, 5, rule, parallel_tokens=3)
+    decoder = ChainDecoder(on_engine(target, engine), proposer, num_draft_tokens=3, rule=rule)
     n, counts, accepted = 2000, {}, 0
     for _ in range(n):
         gen = decoder.generate(prompt, 3)
