@@ -30,6 +30,11 @@ capacity, the tail takes smaller registered buckets; only if none fits, or where
 warmed up for those hidden layers, does it run uncompiled. Uncompiled (the CPU default), the same
 chunks run the same function eagerly.
 
+A decode step's verification is one graph with its verdict (`verify`, `verify_step`): the rule's
+argmax, comparison and accepted path run after the logits inside it, the verified tokens padded
+with -1 (equal to no argmax, so never accepted), positions and slots computed from a 0-d start.
+Each (size, hidden layers, verdict, tree depth) that `warmup` registered runs compiled.
+
 Grouped-query attention without copying the cache: the G query heads that share a KV head are
 stacked along the query axis ([B, kv_heads, G * n, d]), so SDPA reads each cached K/V once.
 """
