@@ -98,8 +98,6 @@ class DraftModelProposer(Proposer):
         self.one_graph = self.rule.greedy and isinstance(self.lm, StaticLM)
         self._chains: dict[int, CompiledStep] = {}  # draft count -> its compiled chain
         self._warm: set[tuple[int, int]] = set()     # (pending width, draft count) compiled at warm-up
-        if self.one_graph:
-            self._slots = torch.arange(self.lm.capacity, device=self.device)  # 0-d start slots: views
 
     def reset(self, prompt, hidden=None):
         """Feeds the prompt but its last token to the draft now, beside the target's prefill."""
@@ -130,7 +128,7 @@ class DraftModelProposer(Proposer):
     def _dummy_chain(self, width: int, count: int) -> None:
         tokens = torch.zeros(width, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            self._chain_fn(count, compiled=True)(tokens, self._slots[0])
+            self._chain_fn(count, compiled=True)(tokens, self.lm.at(0))
 
     def _chain_fn(self, count: int, compiled: bool):
         step = functools.partial(draft_chain, self.lm.model, self.lm.cache, count=count, vocab=self.vocab)
@@ -175,7 +173,7 @@ class DraftModelProposer(Proposer):
             count = k
         self.lm._check_room(p + count - 1)
         fn = self._chain_fn(count, compiled=(p, count) in self._warm)
-        drafts = fn(pending, self._slots[self.lm.length])
+        drafts = fn(pending, self.lm.at(self.lm.length))
         self.lm.length += p + count - 1
         self.fed = count - 1
         self.forwards += count

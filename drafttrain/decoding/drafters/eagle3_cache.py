@@ -278,7 +278,7 @@ class CachedEagle3Draft:
         host's bookkeeping: both caches hold the `kept` entries (past + the path's nodes)."""
         self.cache.check_room(path.shape[0] + (depth - 1) * topk)
         step = self._keep_tree_step(target_lm, depth=depth, topk=topk, nodes=nodes)
-        tree, logits, last_hidden = step(path, argmax, hidden, target_lm._slots[past])
+        tree, logits, last_hidden = step(path, argmax, hidden, target_lm.at(past))
         self.last = DraftStep(logits, last_hidden)
         self.forwards += depth  # the feed, then depth - 1 drafting levels
         target_lm.rollback(kept)
@@ -345,7 +345,7 @@ class CachedEagle3Draft:
                 if tree:
                     rows = zeros(tree["nodes"], dtype=torch.long)
                     self._keep_tree_step(target_lm, **tree)(rows[:tree["depth"] + 1], rows, features.new_zeros(
-                        tree["nodes"], 3 * H), target_lm._slots[1])
+                        tree["nodes"], 3 * H), target_lm.at(1))
 
         return timed_warmup(self, [every_step])
 

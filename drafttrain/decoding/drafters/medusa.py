@@ -183,7 +183,7 @@ class MedusaDrafter(TreeDrafter):
                 or verified.path.numel() != self.max_depth + 1):
             return super().keep(target, verified)
         past = verified.past
-        self._next = self._keep(verified.path, target._slots[past], hidden, verified.argmax)
+        self._next = self._keep(verified.path, target.at(past), hidden, verified.argmax)
         self.hidden = None  # read by the graph: the next draft is made
         target.rollback(past + len(verified.nodes))
 
@@ -208,7 +208,7 @@ class MedusaDrafter(TreeDrafter):
         hidden = torch.zeros(width, self.heads.config.hidden_size, dtype=dtype, device=target.device)
         argmax = torch.zeros(width, dtype=torch.long, device=target.device)
         keep = self._keep
-        return timed_warmup(target, [lambda: keep(path, target._slots[0], hidden, argmax)], runs=WARMUP_RUNS)
+        return timed_warmup(target, [lambda: keep(path, target.at(0), hidden, argmax)], runs=WARMUP_RUNS)
 
 
 class MedusaProposer(Proposer):

@@ -402,6 +402,11 @@ class StaticLM(CachedLM):
     def capacity(self) -> int:
         return self.cache.capacity
 
+    def at(self, index: int) -> torch.Tensor:
+        """`index` as a 0-d tensor on the device: a view of a preallocated range, so a step's start
+        slot reaches a graph with neither a host copy nor a sync."""
+        return self._slots[index]
+
     def reset(self) -> None:
         self.length = 0  # stale entries are masked until overwritten
 
@@ -485,23 +490,16 @@ class StaticLM(CachedLM):
     def forward(self, tokens: torch.Tensor, *, tree: Tree | None = None, hidden_layers: tuple[int, ...] = ()):
         n = tokens.numel()
         self._check_room(n)
-        size = self._bucket(n, tuple(hidden_layers))
-        if size is None and tree is None and tuple(hidden_layers) in self.prefill_chunks:
-            return self._prefill(tokens, tuple(hidden_layers))
-        width = size or n
-        if width > n:  # padding after the real tokens, each padding row seeing only itself
-            tokens = F.pad(tokens, (0, width - n))
+        hidden_layers = tuple(hidden_layers)
+        size = self._bucket(n, hidden_layers)
         if tree is None:
-            positions = torch.arange(self.length, self.length + width, device=self.device)
-            block = self.causal(width)
-        else:
-            positions = tree.depths + self.length
-            block = tree.attention_mask
-            if width > n:
-                positions = F.pad(positions, (0, width - n), value=self.length)
-                block = F.pad(block, (0, width - n, 0, width - n)) | torch.eye(width, dtype=torch.bool, device=self.device)
-        logits, hidden = self.run(tokens.view(1, -1), positions.view(1, -1), block,
-                                  hidden_layers=tuple(hidden_layers), compiled=size is not None)
+            if size is None and hidden_layers in self.prefill_chunks:
+                return self._prefill(tokens, hidden_layers)
+            return self._padded_chain(tokens, size or n, hidden_layers, compiled=size is not None)
+        if size is not None and size > n:  # padding after the real nodes, each seeing only itself
+            tokens, tree = F.pad(tokens, (0, size - n)), padded_tree(tree, size)
+        logits, hidden = self.run(tokens.view(1, -1), (tree.depths + self.length).view(1, -1), tree.attention_mask,
+                                  hidden_layers=hidden_layers, compiled=size is not None)
         self.length += n
         return logits[0, :n], (hidden[0, :n] if hidden is not None else None)
 
@@ -519,7 +517,7 @@ class StaticLM(CachedLM):
             tokens = F.pad(tokens, (0, width - n), value=-1)
             tree = padded_tree(tree, width) if tree is not None else None
         key = (width, *kind)
-        args = [tokens, self._slots[self.length]]
+        args = [tokens, self.at(self.length)]
         if tree is not None:
             args += [tree.parent, tree.depths, tree.attention_mask]
         out = self._verify_fn(key, compiled=key in self._verify_keys)(*args)
@@ -601,7 +599,7 @@ class StaticLM(CachedLM):
         """One verification of `key`'s shape on zeros (a star-shaped tree for a tree's), compiled."""
         width, _, _, depth = key
         tokens = torch.zeros(width, dtype=torch.long, device=self.device)
-        args = [tokens, self._slots[0]]
+        args = [tokens, self.at(0)]
         if depth >= 0:
             parent = torch.zeros(width, dtype=torch.long, device=self.device)
             parent[0] = -1
