@@ -19,7 +19,7 @@ The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.ru
    too, and on a fraction of steps on continuations the current draft samples itself (GKD,
    Agarwal et al. 2024) so it also learns on the text it actually proposes. A parallel draft
    (`draft.parallel_tokens`, PARD) learns every depth at once: K-1 mask tokens after each trained
-   position, in the same forward (`drafttrain.parallel`).
+   position, in the same forward (`drafttrain.kinds.parallel_lm.model`).
 5. Measure what matters: greedy speculative decoding of held-out prompts with drafttrain's own
    decoder. Its mean accepted length tau picks the exported weights, not the loss.
 6. Export the best draft to `final/` (SPEC §3) with its acceptance table.
@@ -35,17 +35,17 @@ import torch
 from drafttrain.config import setting
 from drafttrain.data import DataConfig, onpolicy_batch, onpolicy_step, response_window
 from drafttrain.data.collate import TrainingCollator
-from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings, Drafter
-from drafttrain.decoding.drafters.draft_lm import draft_lm_drafter
-from drafttrain.draft_init import draft_from_target
+from drafttrain.decoding import NUM_DRAFT_TOKENS, DecodeSettings
+from drafttrain.kinds.base import Drafter
+from drafttrain.kinds.draft_lm.kind import draft_lm_drafter
+from drafttrain.kinds.draft_lm.model import draft_from_target
 from drafttrain.errors import UserError
 from drafttrain.evaluation.plan import export_plans
 from drafttrain.export import export_draft
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
 from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
-from drafttrain.parallel import (PARALLEL_LIMIT_REASON, PARALLEL_MAX_TOKENS, depth_balanced, mark_parallel, mask_token_id,
-                                 parallel_info, parallel_layout)
+from drafttrain.kinds.parallel_lm.model import (PARALLEL_LIMIT_REASON, PARALLEL_MAX_TOKENS, depth_balanced, mark_parallel, mask_token_id, parallel_info, parallel_layout)
 from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded
@@ -73,7 +73,7 @@ class DraftConfig:
                    "a same-family draft already shares them, and the step gets cheaper.")
     parallel_tokens: int = setting(
         0, doc="0: a sequential draft (K drafts, K forwards). K >= 2: a parallel draft (PARD): trained to propose K "
-               "tokens from ONE forward over the sequence and K-1 mask tokens (drafttrain.parallel); the export's "
+               "tokens from ONE forward over the sequence and K-1 mask tokens (drafttrain.kinds.parallel_lm.model); the export's "
                "config.json names the mask as pard_token. Decode it with K <= this.", at_least=0)
     parallel_keep: float = setting(
         0.7, doc="Parallel drafts: PARD's conditional drop. Depth b's masks keep a random max(keep^b, 0.2) of the "
@@ -254,7 +254,7 @@ class DistillRecipe(Recipe[DistillConfig]):
         return loss, logs
 
     def parallel_student(self, model, batch: dict, start: int, teacher, labels):
-        """A parallel draft's logits for every depth at once (`drafttrain.parallel`), and the
+        """A parallel draft's logits for every depth at once (`drafttrain.kinds.parallel_lm.model`), and the
         teacher, labels and loss mask repeated to match, and each row's depth: depth b's row p
         learns the target's distribution at p from x_0 .. x_{p-b} and b masks."""
         depth = self.config.draft.parallel_tokens

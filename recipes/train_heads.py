@@ -16,7 +16,7 @@ The story of the run (the shared steps are `drafttrain.training.recipe.Recipe.ru
    unchanged target. Medusa-2 (`lora.enabled=true`, Cai et al. 2024 section 2.3.2): LoRA adapters
    on the target train jointly with the heads, while a language-model loss keeps the adapted
    target's outputs close to the original's. The loss and the alignment of head i with token
-   t + 2 + i are `drafttrain.medusa.loss`.
+   t + 2 + i are `drafttrain.kinds.medusa.loss`.
 4. Measure what matters: greedy Medusa tree decoding of held-out prompts; tau picks the exported
    weights. After training, the heads' top-k accuracy on those prompts shapes a calibrated tree.
 5. Export the heads in vLLM's Medusa format to `final/` (SPEC §3), with the calibrated tree; for
@@ -34,13 +34,14 @@ from torch import nn
 
 from drafttrain.config import setting
 from drafttrain.data import response_window
-from drafttrain.decoding import DecodeSettings, Drafter
+from drafttrain.decoding import DecodeSettings
+from drafttrain.kinds.base import Drafter
 from drafttrain.errors import UserError
 from drafttrain.evaluation.plan import export_plans, planned_k
-from drafttrain.medusa.calibrate import head_topk_accuracy
-from drafttrain.medusa.export import export_final
-from drafttrain.medusa.loss import HeadsObjective, JointObjective
-from drafttrain.medusa.model import MedusaHeads
+from drafttrain.kinds.medusa.calibrate import head_topk_accuracy
+from drafttrain.kinds.medusa.export import export_final
+from drafttrain.kinds.medusa.loss import HeadsObjective, JointObjective
+from drafttrain.kinds.medusa.model import MedusaHeads
 from drafttrain.trees import chain_tree, tree_from_accuracies
 from drafttrain.prompts import EncodedPrompt
 from drafttrain.tokens import output_vocab_size

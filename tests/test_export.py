@@ -130,13 +130,14 @@ def test_a_full_disk_while_exporting_is_one_error_and_the_earlier_directory_stay
     out.mkdir()
     (out / "earlier.txt").write_text("kept")
     if writer == "medusa":
-        from drafttrain.medusa import MedusaConfig, MedusaHeads, save_medusa
+        from drafttrain.kinds.medusa.model import MedusaConfig, MedusaHeads
+        from drafttrain.kinds.medusa.export import save_medusa
 
         heads = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, num_layers=1))
         write = lambda: save_medusa(heads, out)  # noqa: E731
     elif writer == "eagle3":
-        from drafttrain.eagle3.export import save_eagle3
-        from drafttrain.eagle3.model import Eagle3Config, Eagle3Draft
+        from drafttrain.kinds.eagle3.export import save_eagle3
+        from drafttrain.kinds.eagle3.model import Eagle3Config, Eagle3Draft
 
         draft = Eagle3Draft(Eagle3Config(hidden_size=8, intermediate_size=16, num_attention_heads=2,
                                          num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-6, vocab_size=32,

@@ -1,6 +1,8 @@
 """The package's layers (README, Layout): a module imports only from its own layer or lower ones,
-as LAYERS lists them from the bottom: basics -> models and exports -> decoding -> evaluation and
-bench -> data and losses -> training -> the command line. So the recipes' data and training sit
+as LAYERS lists them from the bottom: basics -> models and exports -> decoding -> drafter kinds ->
+evaluation and bench -> data and losses -> training -> the command line. A kind's folder
+(`kinds/<name>/`) spans layers by what each file is: its model, vocabulary, calibration and export sit
+with the models, its run time and declaration (`kind.py`) in the kinds' layer, its loss with the losses. So the recipes' data and training sit
 on top of evaluation (a recipe evaluates its drafter), and lower layers stay usable without the
 higher ones. Read from the source with `ast`, imports inside functions
 included; imports under `if TYPE_CHECKING:` are annotations' only (a drafter kind's methods name the
@@ -15,20 +17,26 @@ PACKAGE = Path(__file__).resolve().parents[1] / "drafttrain"
 
 LAYERS = [
     {"__init__", "errors", "fileio", "config", "home", "tokens", "trees", "planning"},  # basics
-    {"models", "prompts", "draft_init", "export", "medusa", "eagle3", "parallel", "corpus", "preflight", "assets"},
+    {"models", "prompts", "export", "features", "corpus", "preflight", "assets", "kinds.model"},  # models, exports
     {"decoding"},                                                                       # decoders
+    {"kinds"},                                                                          # drafter kinds, the factory
     {"evaluation", "bench"},                                                            # eval, compare, bench
-    {"data", "losses", "medusa.loss"},                                                  # answers, losses
+    {"data", "losses", "kinds.loss"},                                                   # answers, losses
     {"training"},                                                                       # the loop, recipes
     {"cli"},                                                                            # the command line
 ]
+KIND_MODELS = {"model", "export", "vocab", "calibrate"}  # a kind's files that sit with the models
 
 
 def unit(dotted: str) -> str:
-    """'drafttrain.medusa.loss' -> 'medusa.loss' (a module of the data layer inside medusa/), else the
-    first component below the package."""
+    """'drafttrain.kinds.medusa.loss' -> 'kinds.loss', '...kinds.medusa.model' -> 'kinds.model' (a kind's
+    files by what they are), else the first component below the package ('kinds' for a kind's run time)."""
     parts = dotted.split(".")[1:] or ["__init__"]
-    return "medusa.loss" if parts[:2] == ["medusa", "loss"] else parts[0]
+    if parts[0] == "kinds" and len(parts) == 3 and parts[2] == "loss":
+        return "kinds.loss"
+    if parts[0] == "kinds" and len(parts) == 3 and parts[2] in KIND_MODELS:
+        return "kinds.model"
+    return parts[0]
 
 
 def layer(name: str) -> int:
@@ -94,23 +102,27 @@ def test_every_module_has_a_layer():
 def test_the_check_finds_imports_from_higher_layers(tmp_path):
     root = tmp_path / "drafttrain"
     (root / "decoding").mkdir(parents=True)
-    (root / "medusa").mkdir()
+    (root / "kinds" / "medusa").mkdir(parents=True)
     (root / "decoding" / "ok.py").write_text("from ..trees import Path\nfrom . import lm\nimport drafttrain.errors\n")
     (root / "decoding" / "bad.py").write_text("def f():\n    from ..training.trainer import train\n")
-    (root / "medusa" / "model.py").write_text("from drafttrain.medusa.loss import x\n")
-    (root / "medusa" / "loss.py").write_text("from ..losses import distill_loss\n")
+    (root / "decoding" / "up.py").write_text("from ..kinds.registry import REGISTRY\n")
+    (root / "kinds" / "medusa" / "model.py").write_text("from drafttrain.kinds.medusa.loss import x\n")
+    (root / "kinds" / "medusa" / "export.py").write_text("from .kind import KIND\n")
+    (root / "kinds" / "medusa" / "kind.py").write_text("from .model import MedusaHeads\nfrom ...decoding import chain\n")
+    (root / "kinds" / "medusa" / "loss.py").write_text("from ...losses import distill_loss\nfrom .model import x\n")
     assert violations(root) == ["drafttrain/decoding/bad.py imports drafttrain.training.trainer",
-                                "drafttrain/medusa/model.py imports drafttrain.medusa.loss"]
+                                "drafttrain/decoding/up.py imports drafttrain.kinds.registry",
+                                "drafttrain/kinds/medusa/export.py imports drafttrain.kinds.medusa.kind",
+                                "drafttrain/kinds/medusa/model.py imports drafttrain.kinds.medusa.loss"]
 
 
 # Inside decoding/: how a model runs, then the loop and the acceptance rules, then the two
-# decoders, then where drafts come from, then the one factory that puts them together.
+# decoders and the trees drafts grow, then what joins two drafters and what every decoder shares.
 DECODING_LAYERS = [
-    {"engines", "timing"},
+    {"engines", "timing", "dynamic_tree"},
     {"verify", "loop", "batch"},
     {"chain", "tree"},
-    {"drafters"},
-    {"factory", "__init__"},
+    {"hybrid", "settings", "__init__"},
 ]
 
 
@@ -147,19 +159,19 @@ def test_decoding_modules_import_only_lower_concerns():
 
 def test_imports_for_annotations_only_are_not_counted(tmp_path):
     root = tmp_path / "drafttrain"
-    (root / "decoding" / "drafters").mkdir(parents=True)
-    (root / "decoding" / "drafters" / "kind.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..factory import DecodeSettings\n"
-        "else:\n    from ..factory import build_decoder\n")
-    (root / "decoding" / "drafters" / "ngram.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..factory import DecodeSettings\n")
-    found = decoding_violations(root)  # the else branch runs: both of kind.py's imports count, none of ngram's
-    assert found == ["drafttrain/decoding/drafters/kind.py imports drafttrain.decoding.factory"] * 2
+    (root / "decoding" / "engines").mkdir(parents=True)
+    (root / "decoding" / "engines" / "base.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..settings import DecodeSettings\n"
+        "else:\n    from ..settings import NUM_DRAFT_TOKENS\n")
+    (root / "decoding" / "engines" / "static.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..settings import DecodeSettings\n")
+    found = decoding_violations(root)  # the else branch runs: both of base.py's imports count, none of static's
+    assert found == ["drafttrain/decoding/engines/base.py imports drafttrain.decoding.settings"] * 2
 
 
-def test_the_decoding_check_finds_an_engine_that_imports_a_drafter(tmp_path):
+def test_the_decoding_check_finds_an_engine_that_imports_a_higher_concern(tmp_path):
     root = tmp_path / "drafttrain"
     (root / "decoding" / "engines").mkdir(parents=True)
-    (root / "decoding" / "engines" / "bad.py").write_text("from ..drafters.ngram import NgramProposer\n")
+    (root / "decoding" / "engines" / "bad.py").write_text("from ..hybrid import hybrid_decoder\n")
     (root / "decoding" / "chain.py").write_text("from .engines import CachedLM\nfrom .verify import sample\n")
-    assert decoding_violations(root) == ["drafttrain/decoding/engines/bad.py imports drafttrain.decoding.drafters.ngram"]
+    assert decoding_violations(root) == ["drafttrain/decoding/engines/bad.py imports drafttrain.decoding.hybrid"]

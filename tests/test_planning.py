@@ -300,8 +300,10 @@ def test_a_walk_takes_the_steps_the_decoder_takes_at_every_k():
     by the decoder's count)."""
     from tiny import tiny_lm
 
-    from drafttrain.decoding import DecodeSettings, Drafter, build_decoder
-    from drafttrain.decoding.drafters.ngram import ngram_lookup
+    from drafttrain.decoding import DecodeSettings
+    from drafttrain.kinds.base import Drafter
+    from drafttrain.kinds.factory import build_decoder
+    from drafttrain.kinds.ngram.decode import ngram_lookup
 
     target = tiny_lm(seed=3, vocab_size=24, sharpness=12.0)  # a small vocabulary: the text repeats itself
     prompts = [[5, 6, 7, 8, 5, 6, 7, 9, 10], [11, 12, 13, 11, 12, 14], [3, 4, 3, 4, 3, 4, 15]]

@@ -12,7 +12,9 @@ from statistics import median
 
 import torch
 
-from ..decoding import CachedLM, DecodeSettings, Drafter, build_decoder
+from ..decoding import CachedLM, DecodeSettings
+from ..kinds.base import Drafter
+from ..kinds.factory import build_decoder
 from ..decoding.engines import device_tensor, synchronize
 from ..trees import chain, static_tree
 

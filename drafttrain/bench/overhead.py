@@ -19,9 +19,10 @@ from statistics import median
 
 import torch
 
-from ..decoding import DecodeSettings, StaticLM, build_decoder
-from ..decoding.drafters import REGISTRY
-from ..decoding.drafters.kind import BENCH_TREE_NODES
+from ..decoding import DecodeSettings, StaticLM
+from ..kinds.factory import build_decoder
+from ..kinds.registry import REGISTRY
+from ..kinds.base import BENCH_TREE_NODES
 from ..decoding.engines.compiled import BACKEND_VARIABLE
 from ..decoding.engines.overhead import step_overhead
 

@@ -9,7 +9,7 @@ import sys
 
 from .compare import run_compare, served_checks, served_warnings
 from ..config import add_flags, from_args
-from ..decoding.drafters import LOOKUPS, flagged, methods
+from ..kinds.registry import LOOKUPS, flagged, methods
 from .config import EvalConfig
 from .replay import ReplayConfig, format_results, run_replay
 from .run import run_eval

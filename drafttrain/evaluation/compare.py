@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import UserError
-from ..decoding.drafters import BY_NAME, flagged, methods
+from ..kinds.registry import BY_NAME, flagged, methods
 from .config import BACKEND_CHOICES, EvalConfig, _or, drafter_fields, lookups, shared_settings
 from .outputs import prepare_output_dir, staged_output
 from .report import (_fmt, bar_figure, markdown_table, per_position_figure, save_figure, scatter_figure, subtitle,

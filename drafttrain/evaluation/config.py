@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..config import check_settings, flag_name, setting
 from ..decoding import NUM_DRAFT_TOKENS, DecodeSettings
-from ..decoding.drafters import BY_NAME, DYNAMIC_TREE_TOPK, REGISTRY, flagged, methods
+from ..kinds.registry import BY_NAME, REGISTRY, flagged, methods
+from ..decoding.dynamic_tree import DYNAMIC_TREE_TOPK
 from ..decoding.engines import ENGINES
 from ..errors import UserError
 from ..trees import TREE_CHOICES, read_tree_file
@@ -208,7 +209,7 @@ class EvalConfig:
 
     @property
     def drafter_kind(self) -> str:
-        """Which kind of drafter runs (`decoding.drafters.REGISTRY`): the one whose flag is given,
+        """Which kind of drafter runs (`kinds.registry`): the one whose flag is given,
         else the method. A draft LM that loads as a parallel one is still named by its flag's kind."""
         return next((k.name for k in flagged() if getattr(self, k.flag)), self.method)
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..decoding import CachedLM, Drafter, cached_lm
-from ..decoding.drafters import BY_NAME, target_alone
-from ..decoding.factory import max_step_tokens, tree_choice
+from ..decoding import CachedLM, cached_lm
+from ..kinds.base import Drafter
+from ..kinds.registry import BY_NAME, target_alone
+from ..kinds.factory import max_step_tokens, tree_choice
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from ..prompts import EncodedPrompt

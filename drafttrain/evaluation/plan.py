@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 from statistics import fmean, median
 
-from ..decoding import DecodeSettings, as_cached_lm, build_decoder
-from ..decoding.drafters import BY_NAME, target_alone, trained_drafter
-from ..decoding.factory import tree_choice
+from ..decoding import DecodeSettings, as_cached_lm
+from ..kinds.factory import build_decoder
+from ..kinds.registry import BY_NAME, target_alone, trained_drafter
+from ..kinds.factory import tree_choice
 from ..errors import UserError
 from ..export import RECORD
 from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, fallback_plan, implausible, noisy, plan_chain,

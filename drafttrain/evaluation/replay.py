@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..config import check_settings, flag_name, setting
 from ..decoding import NUM_DRAFT_TOKENS
-from ..decoding.drafters import REGISTRY, Drafter, DrafterKind, kind_of
+from ..kinds.registry import REGISTRY, Drafter, DrafterKind, kind_of
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from ..prompts import encode_prompt, read_prompts

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from ..decoding.drafters import REGISTRY
+from ..kinds.registry import REGISTRY
 from .metrics import PromptResult, divergence
 
 FINGERPRINT_BYTES = 1 << 20  # hashed from each end of a weights file: enough to tell two models apart, fast

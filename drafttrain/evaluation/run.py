@@ -16,8 +16,9 @@ from typing import Callable
 
 import torch
 
-from ..decoding import CachedLM, build_decoder
-from ..decoding.drafters import BY_NAME, flagged, target_alone
+from ..decoding import CachedLM
+from ..kinds.factory import build_decoder
+from ..kinds.registry import BY_NAME, flagged, target_alone
 from ..decoding.engines.compiled import capture_counts, compile_cache_state, compile_counts
 from ..errors import UserError
 from ..models import context_length

@@ -11,7 +11,7 @@ import torch
 
 from .. import __version__
 from ..decoding import as_cached_lm
-from ..decoding.drafters import BY_NAME
+from ..kinds.registry import BY_NAME
 from ..prompts import EncodedPrompt
 from .config import EvalConfig
 from .loading import LoadedModels

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import Drafter, Generation
-from ..decoding.drafters import BY_NAME, exported_drafter
+from ..kinds.base import Drafter
+from ..decoding import Generation
+from ..kinds.registry import BY_NAME, exported_drafter
 from ..errors import UserError
 from .config import EvalConfig, check_servable
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 
-from ..decoding import DecodeSettings, Drafter, TreeDecoder, build_decoder
+from ..decoding import DecodeSettings, TreeDecoder
+from ..kinds.base import Drafter
+from ..kinds.factory import build_decoder
 from ..errors import UserError
 from ..evaluation.metrics import PromptResult, compute_metrics
 from ..models import context_length

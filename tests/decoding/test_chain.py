@@ -7,7 +7,9 @@ import torch
 from engines import ENGINES, on_engine, ready
 from tiny import greedy_reference, noisy_copy, tiny_gemma3, tiny_lm
 
-from drafttrain.decoding import DraftModelProposer, NgramProposer, NoProposer, ChainDecoder
+from drafttrain.kinds.draft_lm.decode import DraftModelProposer
+from drafttrain.kinds.ngram.decode import NgramProposer
+from drafttrain.decoding import NoProposer, ChainDecoder
 from drafttrain.decoding import Proposer, StaticLM
 from drafttrain.errors import UserError
 
@@ -132,7 +134,7 @@ def test_padded_draft_vocabulary(target):
 
 
 def test_ngram_lookup_continues_latest_match():
-    from drafttrain.decoding import ngram_lookup
+    from drafttrain.kinds.ngram.decode import ngram_lookup
 
     seq = [1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3]
     assert ngram_lookup(seq, 3, max_ngram=3) == [4, 5, 1]  # latest occurrence of (1,2,3)

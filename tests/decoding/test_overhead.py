@@ -18,11 +18,13 @@ import pytest
 import torch
 from tiny import greedy_reference, noisy_copy
 
-from drafttrain.decoding import DecodeSettings, Drafter, StaticLM, build_decoder
+from drafttrain.decoding import DecodeSettings, StaticLM
+from drafttrain.kinds.base import Drafter
+from drafttrain.kinds.factory import build_decoder
 from drafttrain.decoding.engines.overhead import count_overhead, step_overhead
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eagle3"))  # the EAGLE-3 tests' trained draft
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drafters"))      # the Medusa tests' heads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kinds" / "eagle3"))  # the EAGLE-3 tests' trained draft
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kinds" / "medusa"))  # the Medusa tests' heads
 from eagle3_helpers import EOS, trained_pair  # noqa: E402
 from test_medusa_decoding import noisy_heads  # noqa: E402
 

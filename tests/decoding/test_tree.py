@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafttrain.decoding import EagerLM, StaticLM
-from drafttrain.decoding.drafters.medusa import tree_candidates
+from drafttrain.kinds.medusa.decode import tree_candidates
 from drafttrain.decoding.engines.eager import cache_argument, compact_cache, returned_cache, tree_attention_inputs
 from drafttrain.decoding.verify import greedy_tree_verdict
 from drafttrain.trees import DEFAULT_TREE, chain_tree, default_tree, static_tree, tree_from_parents

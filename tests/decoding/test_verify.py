@@ -9,7 +9,9 @@ from engines import on_engine
 from sampling_reference import V, chi2_pvalue, exact_two_token_distribution
 from tiny import tiny_causal_lm, tiny_lm
 
-from drafttrain.decoding import DraftModelProposer, NgramProposer, ChainDecoder
+from drafttrain.kinds.draft_lm.decode import DraftModelProposer
+from drafttrain.kinds.ngram.decode import NgramProposer
+from drafttrain.decoding import ChainDecoder
 from drafttrain.decoding.verify import Greedy, Sampled, probabilities, verify_greedy, verify_sampled
 
 

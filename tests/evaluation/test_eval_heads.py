@@ -8,8 +8,8 @@ from eval_helpers import cli, damaged_copy, one_error_line, snapshot
 from tiny import save_pair, tiny_lm, tiny_tokenizer
 
 from drafttrain.cli import main
-from drafttrain.medusa.export import save_medusa
-from drafttrain.medusa.model import MedusaHeads
+from drafttrain.kinds.medusa.export import save_medusa
+from drafttrain.kinds.medusa.model import MedusaHeads
 
 
 def test_eval_with_heads(tmp_path, capsys):

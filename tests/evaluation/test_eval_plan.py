@@ -13,8 +13,8 @@ from tiny import noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 from drafttrain.cli import main
 from drafttrain.evaluation.config import PLAN_MAX_K
 from drafttrain.evaluation.plan import CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS
-from drafttrain.medusa.export import save_medusa
-from drafttrain.medusa.model import MedusaHeads
+from drafttrain.kinds.medusa.export import save_medusa
+from drafttrain.kinds.medusa.model import MedusaHeads
 
 PROMPTS = [{"prompt": "w5 w9 w13 w7"}, {"prompt": "w40 w41 w40 w41"}]
 CALIBRATION = [{"prompt": "w3 w4 w5 w6"}, {"prompt": "w30 w31 w30 w31"}, {"prompt": "w12 w13 w14"}]

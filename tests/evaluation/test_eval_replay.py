@@ -10,8 +10,9 @@ from eval_helpers import cli, damaged_copy, one_error_line, snapshot, write_json
 from tiny import greedy_reference, noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 
 from drafttrain.cli import main
-from drafttrain.decoding import DraftModelProposer, ChainDecoder
-from drafttrain.decoding.drafters.draft_lm import draft_lm_drafter
+from drafttrain.kinds.draft_lm.decode import DraftModelProposer
+from drafttrain.decoding import ChainDecoder
+from drafttrain.kinds.draft_lm.kind import draft_lm_drafter
 from drafttrain.evaluation.replay import (ReplayConfig, chain_accepted_lengths, chain_steps, run_replay, tau,
                                           teacher_forced_steps)
 
@@ -67,8 +68,8 @@ def test_equals_the_decoders_accepted_and_proposed_lengths(k, scale):
 def test_a_parallel_draft_equals_the_decoders_lengths(k):
     """A draft whose config names pard_token replays as a parallel draft: its step's draft j comes
     from depth j of one laid-out forward, as the decoder's one forward over [sequence, masks]."""
-    from drafttrain.decoding.drafters.parallel_lm import ParallelDraftProposer
-    from drafttrain.parallel import mark_parallel
+    from drafttrain.kinds.parallel_lm.decode import ParallelDraftProposer
+    from drafttrain.kinds.parallel_lm.model import mark_parallel
 
     target = tiny_lm(0)
     draft = noisy_copy(target, scale=0.05)

@@ -574,7 +574,7 @@ def test_a_parallel_draft_is_detected_and_drafts_with_one_forward_per_step(model
                                                                            tmp_path):
     """SPEC §7: a draft whose config names pard_token is a parallel draft; every report counts
     draft_forwards (a sequential draft: one per draft token, n-gram: none)."""
-    from drafttrain.parallel import mark_parallel
+    from drafttrain.kinds.parallel_lm.model import mark_parallel
 
     draft = AutoModelForCausalLM.from_pretrained(models["draft"], dtype=torch.float32)
     mark_parallel(draft, 9, K)
@@ -614,7 +614,7 @@ def test_a_parallel_export_is_checked_on_load_like_an_eagle3_one(models, prompt_
     beside spd_type "pard" decoded the draft as a sequential one (63 draft forwards instead of 19),
     silently; parallel_tokens 0, -2 or 100000 went into the report. Each is one error line naming
     the field, before any prompt is decoded, and nothing is written."""
-    from drafttrain.parallel import mark_parallel
+    from drafttrain.kinds.parallel_lm.model import mark_parallel
 
     draft = AutoModelForCausalLM.from_pretrained(models["draft"], dtype=torch.float32)
     mark_parallel(draft, 9, K)

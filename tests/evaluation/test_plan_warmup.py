@@ -17,15 +17,17 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from drafttrain.decoding import Drafter, StaticLM
-from drafttrain.decoding.drafters import BY_NAME, eagle3_cache
+from drafttrain.kinds.base import Drafter
+from drafttrain.decoding import StaticLM
+from drafttrain.kinds.registry import BY_NAME
+from drafttrain.kinds.eagle3 import cache as eagle3_cache
 from drafttrain.decoding.engines import compiled as compiled_steps
 from drafttrain.decoding.engines import static
 from drafttrain.evaluation import plan as planner
 from drafttrain.evaluation.config import EvalConfig
 from drafttrain.evaluation.loading import LoadedModels
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eagle3"))  # the EAGLE-3 tests' trained draft
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kinds" / "eagle3"))  # the EAGLE-3 tests' trained draft
 from eagle3_helpers import EOS, trained_pair  # noqa: E402
 
 PROBE = [5, 9, 13, 7, 5, 9, 13, 7, 5, 11, 12, 13]

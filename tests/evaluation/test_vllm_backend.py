@@ -12,7 +12,7 @@ import torch
 from eval_helpers import cli, one_error_line
 from tiny import greedy_reference, noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 
-from drafttrain.decoding import Drafter
+from drafttrain.kinds.base import Drafter
 from drafttrain.errors import UserError
 from drafttrain.evaluation import vllm_backend
 from drafttrain.evaluation.compare import parse_drafter, served_checks, served_warnings

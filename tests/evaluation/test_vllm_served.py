@@ -20,12 +20,12 @@ from tiny import noisy_copy, save_pair, tiny_gemma3, tiny_lm, tiny_tokenizer
 pytest.importorskip("vllm")
 
 from drafttrain.cli import main  # noqa: E402
-from drafttrain.eagle3.export import save_eagle3  # noqa: E402
-from drafttrain.eagle3.model import Eagle3Draft  # noqa: E402
-from drafttrain.eagle3.vocab import build_draft_vocab  # noqa: E402
-from drafttrain.medusa.export import save_medusa  # noqa: E402
-from drafttrain.medusa.model import MedusaHeads  # noqa: E402
-from drafttrain.parallel import mark_parallel  # noqa: E402
+from drafttrain.kinds.eagle3.export import save_eagle3  # noqa: E402
+from drafttrain.kinds.eagle3.model import Eagle3Draft  # noqa: E402
+from drafttrain.kinds.eagle3.vocab import build_draft_vocab  # noqa: E402
+from drafttrain.kinds.medusa.export import save_medusa  # noqa: E402
+from drafttrain.kinds.medusa.model import MedusaHeads  # noqa: E402
+from drafttrain.kinds.parallel_lm.model import mark_parallel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 VOCAB, K, MAX_NEW = 96, 3, 24

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "eagle3")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "kinds" / "eagle3")]
 
-from drafttrain.decoding.drafters.eagle3 import eagle3_decoder  # noqa: E402
+from drafttrain.kinds.eagle3.decode import eagle3_decoder  # noqa: E402
 from drafttrain.training.frozen import fsdp2, gathered, is_sharded_module, local_fraction  # noqa: E402
 from eagle3_helpers import tiny_draft, tiny_target  # noqa: E402
 from tiny import greedy_reference  # noqa: E402

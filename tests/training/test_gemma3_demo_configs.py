@@ -18,7 +18,7 @@ from training_helpers import REPO
 import recipes.distill as distill_recipe
 import recipes.train_eagle3 as eagle3_recipe
 import recipes.train_heads as heads_recipe
-from drafttrain.parallel import parallel_info
+from drafttrain.kinds.parallel_lm.model import parallel_info
 
 CONFIGS = REPO / "recipes" / "configs"
 VOCAB = 40000

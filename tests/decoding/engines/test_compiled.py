@@ -151,7 +151,7 @@ def test_state_a_step_writes_in_place_is_never_an_inference_tensor():
     from tiny import tiny_lm
 
     from drafttrain.decoding.batch import BatchGenerator
-    from drafttrain.decoding.drafters.eagle3_cache import Eagle3StaticCache
+    from drafttrain.kinds.eagle3.cache import Eagle3StaticCache
 
     model = tiny_lm(0, vocab_size=64)
     with torch.inference_mode():

@@ -13,7 +13,8 @@ import pytest
 import torch
 from tiny import greedy_reference, tiny_gemma3, tiny_lm
 
-from drafttrain.decoding import ChainDecoder, NgramProposer, StaticLM
+from drafttrain.decoding import ChainDecoder, StaticLM
+from drafttrain.kinds.ngram.decode import NgramProposer
 from drafttrain.decoding.engines.overhead import count_overhead
 from drafttrain.decoding.engines.static import PREFILL_CHUNK
 

@@ -14,15 +14,8 @@ import pytest
 import torch
 from tiny import greedy_reference, tiny_gemma3, tiny_lm
 
-from drafttrain.decoding import (
-    EagerLM,
-    NgramProposer,
-    ChainDecoder,
-    StaticLM,
-    cached_lm,
-    resolve_engine,
-    static_support,
-)
+from drafttrain.decoding import EagerLM, ChainDecoder, StaticLM, cached_lm, resolve_engine, static_support
+from drafttrain.kinds.ngram.decode import NgramProposer
 from drafttrain.errors import UserError
 
 VOCAB = 64

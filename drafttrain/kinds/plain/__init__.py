@@ -1,0 +1,1 @@
+"""The target alone (K = 0): every speedup's baseline."""

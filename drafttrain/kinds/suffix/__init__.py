@@ -1,0 +1,1 @@
+"""Suffix lookup: no model; the most frequent continuation of the longest suffix match."""
