@@ -184,7 +184,7 @@ class Eagle3Recipe(Recipe[Eagle3RecipeConfig]):
         return data, prompts
 
     def make_collator(self):
-        return Eagle3Collator(self.config.data.max_seq_len, self.pad_id, align_prompts=True)
+        return TrainingCollator(self.config.data.max_seq_len, self.pad_id, align_prompts=True)
 
     def build_trainable(self) -> Eagle3Draft:
         """After the data: the draft vocabulary is counted on the target's answers."""
@@ -283,16 +283,6 @@ class Eagle3Recipe(Recipe[Eagle3RecipeConfig]):
                                    **self.trained_info(result, plans)})
 
         self.export_with_served_row(write, "eagle3", cfg.eval.num_draft_tokens)  # vLLM serves it as a chain
-
-
-class Eagle3Collator(TrainingCollator):
-    """The distillation batches, plus each row's `example_index` when the data carries one."""
-
-    def __call__(self, rows):
-        batch = super().__call__(rows)
-        if rows and "example_index" in rows[0]:
-            batch["example_index"] = torch.tensor([r["example_index"] for r in rows], dtype=torch.long)
-        return batch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,4 +157,7 @@ class TrainingCollator:
                          r.get("prompt_topk_logprobs"), prompt_positions=self.prompt_positions)
             for r in rows
         ]
-        return collate(packed, self.pad_id, self.pad_to_multiple_of, self.align_prompts)
+        batch = collate(packed, self.pad_id, self.pad_to_multiple_of, self.align_prompts)
+        if rows and "example_index" in rows[0]:  # the key of a recipe's memo of each example's target features
+            batch["example_index"] = torch.tensor([r["example_index"] for r in rows], dtype=torch.long)
+        return batch
