@@ -4,6 +4,11 @@ The directory is all a user needs: `AutoModelForCausalLM.from_pretrained(dir)` l
 tokenizer files are the target's own (speculative decoding needs token-for-token identical
 vocabularies), `generation_config.json` stops at the target's EOS, and `README.md` says what the
 draft is, how it was made and how much it speeds the target up.
+
+Below it, what the exports in serving engines' own formats share (Medusa heads, the feature drafts
+in `kinds/<name>/export.py`): the atomic tensor-directory write, reading config.json, the fields a
+feature draft's decoder layers write and their strict reading (every malformed field or weight one
+`UserError` line naming the file and the fix), and the model card's acceptance section.
 """
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ import math
 import os
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import UserError
 from .fileio import atomic_dir
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHTS_NAME = "model.safetensors"  # the tensors of a Medusa, EAGLE-3 or DFlash export
 
 # Column headers for the usual acceptance-table keys; any other key is shown as it is.
 COLUMN_LABELS = {
@@ -50,20 +60,23 @@ def writing(what: Path):
 
 
 def save_tensor_dir(out_dir: str | os.PathLike, tensors: dict, config: dict, card: str,
-                    record: dict | None = None) -> Path:
+                    record: dict | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """model.safetensors, config.json and README.md in `out_dir`, replacing it atomically: the
-    layout of the Medusa and EAGLE-3 exports (serving engines' own formats); `record` becomes its
-    `drafttrain.json`."""
+    layout of the Medusa, EAGLE-3 and DFlash exports (serving engines' own formats); `record`
+    becomes its `drafttrain.json`; `extra_files` (name -> bytes) are written beside them, inside the
+    same atomic write (DFlash's `mask_embedding.pt`)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     with writing(out_dir), atomic_dir(out_dir, overwrite=True) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "README.md").write_text(card)
         if record is not None:
             (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
     return out_dir
 
 
@@ -85,6 +98,222 @@ def read_export_config(path: Path, what: str, written_by: str, expected: str, re
         raise UserError(f"{config_file} must hold a JSON object; {redo}")
     return cfg
 
+
+# --- writing and reading a feature draft's config.json and tensors (EAGLE-3, DFlash) -------------
+# Each malformed field or weight is one UserError line naming the file, the field and the fix: a
+# bad value otherwise failed deep inside torch or transformers, or loaded a draft that drafts nothing.
+
+DTYPE_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
+               "torch.float64": "float64"}
+
+
+def dtype_name(dtype) -> str:
+    """config.json's `torch_dtype` of a torch dtype ("bfloat16")."""
+    return DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
+
+
+def rope_config(rope_parameters: dict) -> dict:
+    """The rotary settings as transformers 5's `rope_parameters` and as the older `rope_theta` /
+    `rope_scaling`, which transformers 4 (and engines on it) read."""
+    rope = dict(rope_parameters)
+    legacy_scaling = None if rope.get("rope_type", "default") == "default" else \
+        {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0), "rope_scaling": legacy_scaling}
+
+
+def decoder_config_fields(config, dtype) -> dict:
+    """The config.json fields a feature draft's decoder layers share with a Llama's or Qwen3's (`config`:
+    the draft's config): sizes, rotary settings, no biases, no tied head (an engine would otherwise
+    reuse the embedding as the LM head), the weights' dtype."""
+    weights_dtype = dtype_name(dtype)
+    return {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "vocab_size": config.vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        **rope_config(config.rope_parameters),
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "initializer_range": config.initializer_range,
+        "torch_dtype": weights_dtype,
+        "dtype": weights_dtype,
+    }
+
+
+def config_int(cfg: dict, key: str, where: Path) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"{where}: {key} must be a positive integer, got {value!r}; re-export the draft")
+    return value
+
+
+def optional_config_int(cfg: dict, key: str, default, where: Path) -> int:
+    """A positive integer field that may be left out (or null): `default` then."""
+    return default if cfg.get(key) is None else config_int(cfg, key, where)
+
+
+def positive_number(cfg: dict, key: str, default: float, where: Path) -> float:
+    value = cfg.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise UserError(f"{where}: {key} must be a positive number, got {value!r}; re-export the draft")
+    return value
+
+
+def hidden_act(cfg: dict, where: Path) -> str:
+    from transformers.activations import ACT2FN
+
+    value = cfg.get("hidden_act", "silu")
+    if not isinstance(value, str) or value not in ACT2FN:
+        raise UserError(f"{where}: hidden_act {value!r} is not an activation transformers knows (e.g. silu, gelu); "
+                        "re-export the draft")
+    return value
+
+
+def rope_parameters(cfg: dict, where: Path) -> dict:
+    """transformers 5's rope_parameters, else the older rope_theta + rope_scaling, checked: the
+    rotary embedding is built from them, and a bad one failed deep inside transformers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = cfg.get("rope_scaling") or {}
+    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
+                                          **(scaling if isinstance(scaling, dict) else {"rope_scaling": scaling})}
+    if not isinstance(rope, dict):
+        raise UserError(f"{where}: rope_parameters must be a JSON object, got {rope!r}; re-export the draft")
+    if "rope_scaling" in rope:
+        raise UserError(f"{where}: rope_scaling must be a JSON object, got {rope['rope_scaling']!r}; re-export the "
+                        "draft")
+    rope = dict(rope)
+    if "type" in rope and "rope_type" not in rope:  # transformers 4's key
+        rope["rope_type"] = rope.pop("type")
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    if rope.get("rope_type", "default") not in known:
+        raise UserError(f"{where}: rope type {rope.get('rope_type')!r} is unknown; use one of {', '.join(known)}, "
+                        "or re-export the draft")
+    positive_number(rope, "rope_theta", 10000.0, where)
+    return rope
+
+
+def vocab_sizes(cfg: dict, where: Path) -> tuple[int, int]:
+    """(the target's vocabulary size, the draft's): a draft vocabulary is part of the target's."""
+    vocab = config_int(cfg, "vocab_size", where)
+    draft_vocab = optional_config_int(cfg, "draft_vocab_size", vocab, where)
+    if draft_vocab > vocab:
+        raise UserError(f"{where}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab} (the target's); "
+                        "re-export the draft")
+    return vocab, draft_vocab
+
+
+def target_num_layers(cfg: dict, where: Path, target_config) -> int:
+    """The target's layer count, from drafttrain's own record in config.json, else from the target."""
+    ours = cfg.get("drafttrain")
+    if ours is not None and not isinstance(ours, dict):
+        raise UserError(f"{where}: drafttrain must be a JSON object, got {ours!r}; re-export the draft")
+    layers = optional_config_int(ours or {}, "target_num_layers", getattr(target_config, "num_hidden_layers", None),
+                                 where)
+    if not layers:
+        raise UserError(f"{where} does not say how many layers the target has; pass the target "
+                        "(its config) to load this draft")
+    return layers
+
+
+def check_target(what: str, path: Path, target_config, *, hidden: int, vocab: int, layers: int) -> None:
+    """A draft reads its own target's features and tokens: another target's sizes are an error."""
+    if target_config is None:
+        return
+    for key, ours, theirs in (("hidden size", hidden, target_config.hidden_size),
+                              ("vocabulary size", vocab, target_config.vocab_size),
+                              ("number of layers", layers, target_config.num_hidden_layers)):
+        if ours != theirs:
+            raise UserError(f"the {what} in {path} was made for a target with {key} {ours}, but this "
+                            f"target has {theirs}; use the draft with its own target")
+
+
+@contextlib.contextmanager
+def building_draft(config_file: Path):
+    """transformers builds the rotary embedding: a rope type's missing or bad parameters fail there."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{config_file}: cannot build the draft from it ({type(e).__name__}: {e}); check "
+                        "rope_parameters, or re-export the draft") from None
+
+
+def read_weights(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of `path`/model.safetensors (`what`: "EAGLE-3 draft directory")."""
+    file = path / WEIGHTS_NAME
+    if not file.is_file():
+        raise UserError(f"{what} {path} has no {WEIGHTS_NAME}; re-export the draft")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{file} is damaged ({first}); re-export the draft") from None
+
+
+def check_weights(path: Path, state: dict, expected: dict) -> None:
+    """`state` (the file's tensors) holds exactly the `expected` names (a module's state_dict), in
+    their shapes, every float finite."""
+    import torch
+
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise UserError(f"{path}/{WEIGHTS_NAME} does not match its config (missing: {missing[:3]}, unexpected: "
+                        f"{unexpected[:3]}); re-export the draft")
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise UserError(f"{path}/{WEIGHTS_NAME}: {key} has shape {tuple(value.shape)} but the config needs "
+                            f"{tuple(expected[key].shape)}; re-export the draft")
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise UserError(f"{path}/{WEIGHTS_NAME}: {key} holds non-finite values; the checkpoint is damaged, "
+                            "re-export the draft")
+
+
+def t2d_from_d2t(d2t: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
+    """The bool mask over the target's vocabulary of the draft's tokens (target = draft + d2t)."""
+    import torch
+
+    if d2t is None:
+        return None
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    ids = d2t.to(torch.long) + torch.arange(d2t.numel())
+    mask[ids.clamp(0, vocab - 1)] = True
+    return mask
+
+
+def check_vocab_maps(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab: int) -> None:
+    """`d2t` maps every draft id into the target's `vocab` and `t2d` marks exactly those ids."""
+    import torch
+
+    ids = d2t.to(torch.long) + torch.arange(d2t.numel())
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or not torch.equal(t2d_from_d2t(d2t, vocab), t2d.bool()):
+        raise UserError(f"{path}/{WEIGHTS_NAME}: d2t and t2d do not describe the same draft vocabulary inside "
+                        f"the target's {vocab} tokens; re-export the draft")
+
+
+def card_info_lines(info: dict) -> list[str]:
+    """A model card's "How it was made" entries of `base_info` (one `- **key**: value` each)."""
+    return [f"- **{str(k).replace('|', '/')}**: {v if isinstance(v, str) else json.dumps(v, default=str)}"
+            for k, v in info.items()]
+
+
+def card_acceptance_section(acceptance_table: list[dict] | None) -> list[str]:
+    """A model card's "Acceptance" section (blank lines around it): the table and what τ means, or how
+    to measure it."""
+    table = render_acceptance_table(acceptance_table)
+    if not table:
+        return ["", "## Acceptance", "", "Not measured yet: run `drafttrain eval` (below) to measure it.", ""]
+    return ["", "## Acceptance", "", table.rstrip("\n"), "",
+            "τ (mean accepted length) is the number of tokens emitted per target forward pass (plain decoding: "
+            "1.0); speedup is tokens/s against the target alone, measured in the same run.", ""]
 
 RECORD = "drafttrain.json"  # beside an exported draft: what drafttrain measured of it (SPEC §7)
 

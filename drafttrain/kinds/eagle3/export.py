@@ -22,22 +22,20 @@ What the engines read (`llama_eagle3.py` in both, checked by tests/eagle3/test_e
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ...errors import UserError
-from ...export import read_export_config, render_acceptance_table, save_tensor_dir
+from ...export import (building_draft, card_acceptance_section, card_info_lines, check_target, check_vocab_maps,
+                       check_weights, config_int, decoder_config_fields, hidden_act, optional_config_int,
+                       positive_number, read_export_config, read_weights, rope_parameters, save_tensor_dir,
+                       t2d_from_d2t, target_num_layers, vocab_sizes)
 from .model import Eagle3Config, Eagle3Draft, check_aux_layer_ids, default_aux_layer_ids
 
-WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 ACCEPTED_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")  # vLLM registers both names
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float64: "float64"}
 
 
 @dataclass
@@ -54,34 +52,13 @@ class Eagle3Info:
 
 def eagle3_config_dict(config: Eagle3Config, dtype: torch.dtype, extra: dict | None = None) -> dict:
     """config.json for `config` (see the module docstring for which engine reads what)."""
-    rope = dict(config.rope_parameters)
-    legacy_scaling = None if rope.get("rope_type", "default") == "default" else \
-        {k: v for k, v in rope.items() if k != "rope_theta"}
-    dtype_name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     cfg = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "vocab_size": config.vocab_size,
+        **decoder_config_fields(config, dtype),
         "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_parameters": rope,
-        "rope_theta": rope.get("rope_theta", 10000.0),
-        "rope_scaling": legacy_scaling,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
         "mlp_bias": False,
-        "initializer_range": config.initializer_range,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
         "drafttrain": {"aux_layer_ids": list(config.aux_layer_ids), "target_num_layers": config.target_num_layers,
                        "aux_layer_ids_convention": "transformers hidden_states index: i = output of layer i-1"},
     }
@@ -100,7 +77,6 @@ def model_card(cfg: dict, acceptance_table: list[dict] | None, base_info: dict |
     info = dict(base_info or {})
     target = str(info.get("target") or info.get("target_model") or "TARGET")
     layers = cfg["drafttrain"]["aux_layer_ids"]
-    table = render_acceptance_table(acceptance_table)
     lines = [
         "---",
         "library_name: sglang",
@@ -121,16 +97,8 @@ def model_card(cfg: dict, acceptance_table: list[dict] | None, base_info: dict |
         f"- **sizes**: hidden {cfg['hidden_size']}, intermediate {cfg['intermediate_size']}, heads "
         f"{cfg['num_attention_heads']} / {cfg['num_key_value_heads']} KV, target vocabulary {cfg['vocab_size']}, "
         f"draft vocabulary {cfg['draft_vocab_size']}; weights in {cfg['torch_dtype']}",
-        *[f"- **{str(k).replace('|', '/')}**: {v if isinstance(v, str) else json.dumps(v, default=str)}"
-          for k, v in info.items()],
-        "",
-        "## Acceptance",
-        "",
-        *([table.rstrip("\n"), "",
-           "τ (mean accepted length) is the number of tokens emitted per target forward pass (plain decoding: "
-           "1.0); speedup is tokens/s against the target alone, measured in the same run."]
-          if table else ["Not measured yet: run `drafttrain eval` (below) to measure it."]),
-        "",
+        *card_info_lines(info),
+        *card_acceptance_section(acceptance_table),
         "## Use it",
         "",
         "```bash",
@@ -160,59 +128,6 @@ def save_eagle3(draft: Eagle3Draft, out_dir, *, acceptance_table: list[dict] | N
     return save_tensor_dir(out_dir, draft.state_dict(), cfg, model_card(cfg, acceptance_table, base_info), record)
 
 
-def _int(cfg: dict, key: str, where: Path) -> int:
-    value = cfg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"{where}: {key} must be a positive integer, got {value!r}; re-export the draft")
-    return value
-
-
-def _optional_int(cfg: dict, key: str, default, where: Path) -> int:
-    """A positive integer field that may be left out (or null): `default` then."""
-    return default if cfg.get(key) is None else _int(cfg, key, where)
-
-
-def _positive_number(cfg: dict, key: str, default: float, where: Path) -> float:
-    value = cfg.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-        raise UserError(f"{where}: {key} must be a positive number, got {value!r}; re-export the draft")
-    return value
-
-
-def _hidden_act(cfg: dict, where: Path) -> str:
-    from transformers.activations import ACT2FN
-
-    value = cfg.get("hidden_act", "silu")
-    if not isinstance(value, str) or value not in ACT2FN:
-        raise UserError(f"{where}: hidden_act {value!r} is not an activation transformers knows (e.g. silu, gelu); "
-                        "re-export the draft")
-    return value
-
-
-def _rope(cfg: dict, where: Path) -> dict:
-    """transformers 5's rope_parameters, else the older rope_theta + rope_scaling, checked: the
-    rotary embedding is built from them, and a bad one failed deep inside transformers."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    scaling = cfg.get("rope_scaling") or {}
-    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
-                                          **(scaling if isinstance(scaling, dict) else {"rope_scaling": scaling})}
-    if not isinstance(rope, dict):
-        raise UserError(f"{where}: rope_parameters must be a JSON object, got {rope!r}; re-export the draft")
-    if "rope_scaling" in rope:
-        raise UserError(f"{where}: rope_scaling must be a JSON object, got {rope['rope_scaling']!r}; re-export the "
-                        "draft")
-    rope = dict(rope)
-    if "type" in rope and "rope_type" not in rope:  # transformers 4's key
-        rope["rope_type"] = rope.pop("type")
-    known = ("default", *ROPE_INIT_FUNCTIONS)
-    if rope.get("rope_type", "default") not in known:
-        raise UserError(f"{where}: rope type {rope.get('rope_type')!r} is unknown; use one of {', '.join(known)}, "
-                        "or re-export the draft")
-    _positive_number(rope, "rope_theta", 10000.0, where)
-    return rope
-
-
 def _aux_layer_ids(cfg: dict, num_layers: int, where: Path) -> tuple[int, int, int]:
     """drafttrain's own record, else vLLM's key (same convention), else SGLang's (+1), else the
     engines' common default."""
@@ -234,18 +149,19 @@ def _aux_layer_ids(cfg: dict, num_layers: int, where: Path) -> tuple[int, int, i
 def _eagle3_config(cfg: dict, config_file: Path, *, hidden: int, vocab: int, draft_vocab: int, target_hidden: int,
                    layers: int) -> Eagle3Config:
     """The draft's config with every field checked: a malformed one names itself and the file."""
-    heads = _int(cfg, "num_attention_heads", config_file)
+    heads = config_int(cfg, "num_attention_heads", config_file)
     try:
         return Eagle3Config(
-            hidden_size=hidden, intermediate_size=_int(cfg, "intermediate_size", config_file),
-            num_attention_heads=heads, num_key_value_heads=_optional_int(cfg, "num_key_value_heads", heads, config_file),
-            head_dim=_optional_int(cfg, "head_dim", hidden // heads, config_file),
-            rms_norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6, config_file),
+            hidden_size=hidden, intermediate_size=config_int(cfg, "intermediate_size", config_file),
+            num_attention_heads=heads,
+            num_key_value_heads=optional_config_int(cfg, "num_key_value_heads", heads, config_file),
+            head_dim=optional_config_int(cfg, "head_dim", hidden // heads, config_file),
+            rms_norm_eps=positive_number(cfg, "rms_norm_eps", 1e-6, config_file),
             vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
             target_num_layers=layers, aux_layer_ids=_aux_layer_ids(cfg, layers, config_file),
-            max_position_embeddings=_optional_int(cfg, "max_position_embeddings", 2048, config_file),
-            rope_parameters=_rope(cfg, config_file), hidden_act=_hidden_act(cfg, config_file),
-            initializer_range=_positive_number(cfg, "initializer_range", 0.02, config_file))
+            max_position_embeddings=optional_config_int(cfg, "max_position_embeddings", 2048, config_file),
+            rope_parameters=rope_parameters(cfg, config_file), hidden_act=hidden_act(cfg, config_file),
+            initializer_range=positive_number(cfg, "initializer_range", 0.02, config_file))
     except ValueError as e:
         raise UserError(f"{config_file}: {e}; re-export the draft") from None
 
@@ -266,87 +182,29 @@ def load_eagle3(path, device=None, dtype: torch.dtype | None = None,
     if cfg.get("num_hidden_layers", 1) != 1:
         raise UserError(f"{config_file}: num_hidden_layers is {cfg.get('num_hidden_layers')}; only one-layer "
                         "EAGLE-3 drafts are supported")
-    hidden = _int(cfg, "hidden_size", config_file)
-    vocab = _int(cfg, "vocab_size", config_file)
-    draft_vocab = _optional_int(cfg, "draft_vocab_size", vocab, config_file)
-    if draft_vocab > vocab:
-        raise UserError(f"{config_file}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab} (the target's); "
-                        "re-export the draft")
-    target_hidden = _optional_int(cfg, "target_hidden_size", hidden, config_file)
-    ours = cfg.get("drafttrain")
-    if ours is not None and not isinstance(ours, dict):
-        raise UserError(f"{config_file}: drafttrain must be a JSON object, got {ours!r}; re-export the draft")
-    layers = _optional_int(ours or {}, "target_num_layers", getattr(target_config, "num_hidden_layers", None),
-                           config_file)
-    if not layers:
-        raise UserError(f"{config_file} does not say how many layers the target has; pass the target "
-                        "(its config) to load this draft")
-    if target_config is not None:
-        for key, ours, theirs in (("hidden size", target_hidden, target_config.hidden_size),
-                                  ("vocabulary size", vocab, target_config.vocab_size),
-                                  ("number of layers", layers, target_config.num_hidden_layers)):
-            if ours != theirs:
-                raise UserError(f"the EAGLE-3 draft in {path} was made for a target with {key} {ours}, but this "
-                                f"target has {theirs}; use the draft with its own target")
+    hidden = config_int(cfg, "hidden_size", config_file)
+    vocab, draft_vocab = vocab_sizes(cfg, config_file)
+    target_hidden = optional_config_int(cfg, "target_hidden_size", hidden, config_file)
+    layers = target_num_layers(cfg, config_file, target_config)
+    check_target("EAGLE-3 draft", path, target_config, hidden=target_hidden, vocab=vocab, layers=layers)
     config = _eagle3_config(cfg, config_file, hidden=hidden, vocab=vocab, draft_vocab=draft_vocab,
                             target_hidden=target_hidden, layers=layers)
 
-    state = _read_weights(path)
+    state = read_weights(path, "EAGLE-3 draft directory")
     state.pop("embed_tokens.weight", None)  # some trainers save the target's embedding too: we use the target's
     if "d2t" not in state and draft_vocab == vocab:  # a full-vocabulary draft may leave the maps out
         state["d2t"] = torch.zeros(vocab, dtype=torch.long)
         state["t2d"] = torch.ones(vocab, dtype=torch.bool)
     if "d2t" in state and "t2d" not in state:  # SGLang and vLLM ignore t2d; rebuild it
-        state["t2d"] = _t2d_from_d2t(state["d2t"], vocab)
+        state["t2d"] = t2d_from_d2t(state["d2t"], vocab)
     file_dtype = state["lm_head.weight"].dtype if "lm_head.weight" in state else torch.float32
-    try:  # transformers builds the rotary embedding: a rope type's missing or bad parameters fail there
+    with building_draft(config_file):
         draft = Eagle3Draft(config).to(file_dtype)
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{config_file}: cannot build the draft from it ({type(e).__name__}: {e}); check "
-                        "rope_parameters, or re-export the draft") from None
-    expected = draft.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise UserError(f"{path}/{WEIGHTS_NAME} does not match its config (missing: {missing[:3]}, unexpected: "
-                        f"{unexpected[:3]}); re-export the draft")
-    for key, value in state.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise UserError(f"{path}/{WEIGHTS_NAME}: {key} has shape {tuple(value.shape)} but the config needs "
-                            f"{tuple(expected[key].shape)}; re-export the draft")
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            raise UserError(f"{path}/{WEIGHTS_NAME}: {key} holds non-finite values; the checkpoint is damaged, "
-                            "re-export the draft")
-    ids = state["d2t"].to(torch.long) + torch.arange(draft_vocab)
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab or not torch.equal(_t2d_from_d2t(state["d2t"], vocab),
-                                                                         state["t2d"].bool()):
-        raise UserError(f"{path}/{WEIGHTS_NAME}: d2t and t2d do not describe the same draft vocabulary inside "
-                        f"the target's {vocab} tokens; re-export the draft")
+    check_weights(path, state, draft.state_dict())
+    check_vocab_maps(path, state["d2t"], state["t2d"], vocab)
     state["d2t"], state["t2d"] = state["d2t"].to(torch.long), state["t2d"].bool()
     draft.load_state_dict(state)
     draft.to(device=device, dtype=dtype or file_dtype)
     info = Eagle3Info(aux_layer_ids=config.aux_layer_ids, draft_vocab_size=draft_vocab, vocab_size=vocab,
                       target_hidden_size=target_hidden, target_num_layers=layers, config=cfg)
     return draft.eval(), info
-
-
-def _t2d_from_d2t(d2t, vocab: int) -> torch.Tensor | None:
-    if d2t is None:
-        return None
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    ids = d2t.to(torch.long) + torch.arange(d2t.numel())
-    mask[ids.clamp(0, vocab - 1)] = True
-    return mask
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    file = path / WEIGHTS_NAME
-    if not file.is_file():
-        raise UserError(f"EAGLE-3 draft directory {path} has no {WEIGHTS_NAME}; re-export the draft")
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"{file} is damaged ({first}); re-export the draft") from None
