@@ -53,17 +53,18 @@ class Eagle3Kind(DrafterKind):
 
     def bind(self, d: Drafter, target_lm: CachedLM, engine: str, max_length: int, s: DecodeSettings) -> Drafter:
         """The draft's run time follows the target: static (compiled) beside static."""
-        runtime = eagle3_runtime(target_lm, d.model, num_draft_tokens=s.num_draft_tokens, tree_nodes=s.dynamic_nodes,
-                                 tree_topk=s.tree_topk)
-        return Drafter(d.kind, runtime, d.info)
+        return Drafter(d.kind, self._runtime(d, target_lm, s), d.info)
 
     def _runtime(self, d: Drafter, target_lm: CachedLM | None = None, s: DecodeSettings | None = None
                  ) -> Eagle3Runtime:
-        """`d`'s run time: the one `bind` made; for a draft no run bound (a test's, `bench`'s), one made
-        here: beside `target_lm` and sized for `s` as `bind` makes it, or without them on the eager engine."""
+        """`d`'s run time: the one `bind` made, else one made here (a draft no run bound: a test's,
+        `bench`'s): beside `target_lm`, sized for the settings `s`; without them on the eager engine."""
         if isinstance(d.model, Eagle3Runtime):
             return d.model
-        return Eagle3Runtime(d.model) if s is None else self.bind(d, target_lm, "", 0, s).model
+        if s is None:
+            return Eagle3Runtime(d.model)
+        return eagle3_runtime(target_lm, d.model, num_draft_tokens=s.num_draft_tokens, tree_nodes=s.dynamic_nodes,
+                              tree_topk=s.tree_topk)
 
     def tree(self, d: Drafter, s: DecodeSettings) -> tuple[str, list | str] | None:
         """Greedy: EAGLE-2's dynamic tree unless --tree names another (auto: dynamic); sampling and
