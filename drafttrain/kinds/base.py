@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 class Drafter:
     """A loaded drafter: its kind (a `DrafterKind.name`), its model (a draft LM, sequential or
     parallel with `info["pard_token"]`, or its cached LM, Medusa heads, an EAGLE-3 draft or its
-    cached draft, an oracle's references; None for lookups and plain decoding) and what its
-    export recorded (`info`: e.g. the heads' calibrated tree)."""
+    run time, an oracle's references; None for lookups and plain decoding) and what its export
+    recorded (`info`: e.g. the heads' calibrated tree)."""
 
     kind: str
     model: object = None

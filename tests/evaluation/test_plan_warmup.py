@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 
 from drafttrain.kinds.base import Drafter
 from drafttrain.decoding import StaticLM
+from drafttrain.kinds import features
 from drafttrain.kinds.registry import BY_NAME
-from drafttrain.kinds.eagle3 import cache as eagle3_cache
 from drafttrain.decoding.engines import compiled as compiled_steps
 from drafttrain.decoding.engines import static
 from drafttrain.evaluation import plan as planner
@@ -102,7 +102,7 @@ def watched(monkeypatch):
 
         monkeypatch.setattr(module, "timed_warmup", timed_warmup)
 
-    for module in (static, eagle3_cache):
+    for module in (static, features):
         warm(module)
     for name in ("forward", "verify"):
         if hasattr(StaticLM, name):

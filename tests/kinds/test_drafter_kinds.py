@@ -21,9 +21,10 @@ KIND_FOLDERS = {p.parent.name for p in (PACKAGE / "kinds").glob("*/__init__.py")
 # (`kinds/registry.py` is the one list of kinds' folders.)
 READERS = [PACKAGE / "kinds" / "factory.py", PACKAGE / "kinds" / "base.py", PACKAGE / "planning.py",
            *sorted((PACKAGE / "evaluation").glob("*.py"))]
-# The shared code, whose identifiers and strings name no kind: the readers, the decoders and bench.
-SHARED = [*READERS, PACKAGE / "kinds" / "__init__.py", *sorted((PACKAGE / "decoding").rglob("*.py")),
-          *sorted((PACKAGE / "bench").rglob("*.py"))]
+# The shared code, whose identifiers and strings name no kind: the readers, the feature-reading drafts' run time,
+# the decoders and bench.
+SHARED = [*READERS, PACKAGE / "kinds" / "__init__.py", PACKAGE / "kinds" / "features.py",
+          *sorted((PACKAGE / "decoding").rglob("*.py")), *sorted((PACKAGE / "bench").rglob("*.py"))]
 
 
 def kind_words() -> set[str]:

@@ -13,9 +13,8 @@ import torch.distributed as dist
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "kinds" / "eagle3")]
 
-from drafttrain.kinds.eagle3.decode import eagle3_decoder  # noqa: E402
 from drafttrain.training.frozen import fsdp2, gathered, is_sharded_module, local_fraction  # noqa: E402
-from eagle3_helpers import tiny_draft, tiny_target  # noqa: E402
+from eagle3_helpers import draft_decoder, tiny_draft, tiny_target  # noqa: E402
 from tiny import greedy_reference  # noqa: E402
 
 
@@ -36,8 +35,8 @@ def main(out: str) -> None:
         embedding = target.get_input_embeddings().weight.detach().clone()
     draft.attach_embeddings(torch.nn.Embedding.from_pretrained(embedding, freeze=True))
     prompt = [5, 9, 11, 7]
-    outputs = {tree: eagle3_decoder(target, draft, num_draft_tokens=3, tree=tree, tree_nodes=8, tree_topk=2,
-                                   eos_token_ids={2}).generate(prompt, 20).tokens for tree in ("chain", "dynamic")}
+    outputs = {tree: draft_decoder(target, draft, num_draft_tokens=3, tree=tree, tree_nodes=8, tree_topk=2,
+                                  eos_token_ids={2}).generate(prompt, 20).tokens for tree in ("chain", "dynamic")}
     report = {
         "rank": rank,
         "sharded": is_sharded_module(target),

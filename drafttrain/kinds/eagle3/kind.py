@@ -14,8 +14,8 @@ from ...decoding.timing import single_token_seconds
 from ...decoding.tree import TreeDecoder
 from ...trees import resolve_tree
 from ..base import BENCH_TREE_NODES, Drafter, DrafterKind, parameter_share, per_token, replayed_sequence, require_finite
-from .cache import CachedEagle3Draft
-from .decode import (Eagle3Proposer, Eagle3TreeDrafter, eagle3_decoder, cached_draft_for, eagle3_step_seconds)
+from .decode import (Eagle3Proposer, Eagle3Runtime, Eagle3TreeDrafter, eagle3_decoder, eagle3_runtime,
+                     eagle3_step_seconds)
 from .model import Eagle3Draft
 
 if TYPE_CHECKING:
@@ -31,9 +31,9 @@ class Eagle3Kind(DrafterKind):
     grows_trees, takes_lookup, sglang = True, True, "EAGLE3"
 
     def build(self, target: CachedLM, d: Drafter, s: DecodeSettings) -> ChainDecoder | TreeDecoder:
-        """`eagle3_decoder` of the draft with its tree (`tree`; None: a chain) and the run's rule."""
+        """`eagle3_decoder` of the draft on its engine with its tree (`tree`; None: a chain) and the run's rule."""
         tree = self.tree(d, s)
-        return eagle3_decoder(target, d.model, num_draft_tokens=s.num_draft_tokens,
+        return eagle3_decoder(target, self._runtime(d, target, s), num_draft_tokens=s.num_draft_tokens,
                               tree="chain" if tree is None else tree[1], tree_nodes=s.dynamic_nodes,
                               tree_topk=s.tree_topk, rule=s.rule(), eos_token_ids=s.eos_token_ids,
                               record_margins=s.record_margins)
@@ -52,10 +52,19 @@ class Eagle3Kind(DrafterKind):
                                          **(info.config.get("drafttrain") or {})})
 
     def bind(self, d: Drafter, target_lm: CachedLM, engine: str, max_length: int, s: DecodeSettings) -> Drafter:
-        """The draft layer follows the target: static (compiled) beside static."""
-        cached = cached_draft_for(target_lm, d.model, num_draft_tokens=s.num_draft_tokens,
-                                  tree_nodes=s.dynamic_nodes, tree_topk=s.tree_topk)
-        return Drafter(d.kind, cached, d.info)
+        """The draft's run time follows the target: static (compiled) beside static."""
+        return Drafter(d.kind, self._runtime(d, target_lm, s), d.info)
+
+    def _runtime(self, d: Drafter, target_lm: CachedLM | None = None, s: DecodeSettings | None = None
+                 ) -> Eagle3Runtime:
+        """`d`'s run time: the one `bind` made, else one made here (a draft no run bound: a test's,
+        `bench`'s): beside `target_lm`, sized for the settings `s`; without them on the eager engine."""
+        if isinstance(d.model, Eagle3Runtime):
+            return d.model
+        if s is None:
+            return Eagle3Runtime(d.model)
+        return eagle3_runtime(target_lm, d.model, num_draft_tokens=s.num_draft_tokens, tree_nodes=s.dynamic_nodes,
+                              tree_topk=s.tree_topk)
 
     def tree(self, d: Drafter, s: DecodeSettings) -> tuple[str, list | str] | None:
         """Greedy: EAGLE-2's dynamic tree unless --tree names another (auto: dynamic); sampling and
@@ -72,7 +81,7 @@ class Eagle3Kind(DrafterKind):
     def step_seconds(self, d: Drafter, target_lm: CachedLM, ids: list[int], max_k: int, acceptance: list[float],
                      repeats: int) -> tuple[list[float], list[str]]:
         """A chain: one pass of the draft layer per draft token."""
-        return per_token(eagle3_step_seconds(d.model, target_lm, ids, repeats), max_k), []
+        return per_token(eagle3_step_seconds(self._runtime(d), target_lm, ids, repeats), max_k), []
 
     def draft_forwards(self, d: Drafter, max_k: int, acceptance: list[float]) -> list[tuple[int, int]]:
         """k passes of one token each to draft k."""
@@ -80,7 +89,7 @@ class Eagle3Kind(DrafterKind):
 
     def cost_ratio(self, d: Drafter, target_lm: CachedLM, ids: list[int], k: int) -> float:
         """One pass of the draft layer over one target forward."""
-        return eagle3_step_seconds(d.model, target_lm, ids) / single_token_seconds(target_lm, ids)
+        return eagle3_step_seconds(self._runtime(d), target_lm, ids) / single_token_seconds(target_lm, ids)
 
     def gpu_costs(self, d: Drafter, target: torch.nn.Module, max_k: int) -> list[float]:
         """One pass per draft token, each its share of the target's parameters (the shared embeddings aside)."""
@@ -146,5 +155,5 @@ class Eagle3Kind(DrafterKind):
 
 KIND = Eagle3Kind()
 
-__all__ = ["KIND", "CachedEagle3Draft", "eagle3_decoder", "Eagle3Proposer", "Eagle3TreeDrafter", "cached_draft_for",
+__all__ = ["KIND", "Eagle3Runtime", "eagle3_decoder", "Eagle3Proposer", "Eagle3TreeDrafter", "eagle3_runtime",
            "eagle3_step_seconds"]

@@ -23,27 +23,15 @@ Conventions
 - The hidden state a step hands on is the layer's output BEFORE `norm` (SGLang's
   `hidden_states_to_aux`, vLLM's `hidden_prenorm`); logits are lm_head(norm(hidden)).
 
-Decoding with a KV cache (`kinds/eagle3/cache.py`), for an engine whose target cache holds the whole
-sequence but its last ("pending") token: with c tokens in the sequence, the draft cache holds
-step-0 entries for indices 0..c-2 (length c-1). The cache writes its own entries: each step hands
-it the new keys and values (`cache.update`) and attends to what it returns.
-1. `prefill(cache, features, next_tokens, positions)` after the prompt's prefill (features of
-   prompt[:-1], next_tokens = prompt[1:]) and after every verification (first `cache.rollback(c-1)`
-   to drop the drafted entries, then the features the target just computed for the pending
-   token and the accepted drafts, next_tokens = the accepted drafts and the emitted bonus token).
-   The logits at the last index give the first draft token; the hidden state there seeds step 1.
-2. Chain: `step(cache, hidden, token, positions=pos_last + j)` for j = 1..K-1, feeding the draft's
-   own last output hidden state and the token just drafted.
-3. Tree (one level at a time): `step(cache, parents' hidden, node tokens, root position + depth,
-   tree_mask=...)` where tree_mask[i, :] says which of the tree nodes appended so far (this level
-   last) node i may see: its ancestors and itself. The committed prefix is always visible.
+Decoding is the run time's (`decode.py`: the draft's KV cache, its feed of the target's features and
+its drafting steps, as functions of this model); the model holds what training and decoding share.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -274,11 +262,6 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DraftStep(NamedTuple):
-    logits: torch.Tensor  # [B, n, draft_vocab_size]: map ids with `to_target_ids`
-    hidden: torch.Tensor  # [B, n, H]: the layer's output before `norm`, fed to the next step
-
-
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -388,7 +371,8 @@ class Eagle3Draft(nn.Module):
         out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.draft_target_ids, logits)
 
-    def _rope(self, like: torch.Tensor, positions: torch.Tensor):
+    def rope(self, like: torch.Tensor, positions: torch.Tensor):
+        """The rotary tables (cos, sin) of `positions` [B, n], in `like`'s dtype."""
         return self.rotary_emb(like, positions)
 
     # --- training: the training-time-test unroll ----------------------------------------------
@@ -417,7 +401,7 @@ class Eagle3Draft(nn.Module):
 
         h_in = self.fc(features.to(self.fc.weight.dtype))
         x = layer.attention_input(self.embed(shifted(0)), h_in)
-        cos, sin = self._rope(x, positions)
+        cos, sin = self.rope(x, positions)
         k0, v0 = attn.keys_values(x, cos, sin)
         key = torch.arange(T, device=device)
         query = key[s:, None]
@@ -426,7 +410,7 @@ class Eagle3Draft(nn.Module):
         outputs, diag_k, diag_v = [h], [], []
         for j in range(1, num_steps):
             x = layer.attention_input(self.embed(shifted(j)[:, s:]), h)
-            cos, sin = self._rope(x, positions[:, s:] + j)
+            cos, sin = self.rope(x, positions[:, s:] + j)
             kd, vd = attn.keys_values(x, cos, sin)
             diag_k.append(kd)
             diag_v.append(vd)
@@ -441,71 +425,3 @@ class Eagle3Draft(nn.Module):
         hidden = self.forward_hidden(features, input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                      num_steps=num_steps, logits_from=logits_from)
         return torch.stack([self.compute_logits(h) for h in hidden])
-
-    # --- decoding -----------------------------------------------------------------------------
-
-    def prefill(self, cache, features: torch.Tensor, next_tokens: torch.Tensor,
-                positions: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DraftStep:
-        """Append step-0 entries for new indices: the target's features there [B, n, 3·H], the
-        token that follows each index [B, n], and the indices' positions [B, n]. Each new index
-        sees the cache's valid entries and the new ones up to itself (`attention_mask` marks
-        left padding of a batch)."""
-        return self._decode(cache, self.fc(features.to(self.fc.weight.dtype)), next_tokens, positions,
-                            attention_mask, tree_mask=None)
-
-    def step(self, cache, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             tree_mask: torch.Tensor | None = None) -> DraftStep:
-        """One drafting step from the draft's own hidden states [B, n, H] and the tokens just
-        drafted [B, n]. Chain (tree_mask None): like prefill. Tree level: tree_mask, bool [n, m]
-        or [B, n, m], says which of the last m cache entries after this append (the tree's nodes
-        so far, these n last) each new node sees; everything before them is the committed
-        prefix, always visible."""
-        return self._decode(cache, hidden, tokens, positions, None, tree_mask)
-
-    def _new_entries(self, h_in, tokens, positions):
-        """The attention input of new positions, their rotary tables and keys/values."""
-        x = self.midlayer.attention_input(self.embed(tokens), h_in)
-        cos, sin = self._rope(x, positions)
-        return (x, cos, sin, *self.midlayer.self_attn.keys_values(x, cos, sin))
-
-    def _decode(self, cache, h_in, tokens, positions, attention_mask, tree_mask) -> DraftStep:
-        layer, attn = self.midlayer, self.midlayer.self_attn
-        B, n = tokens.shape
-        x, cos, sin, k, v = self._new_entries(h_in, tokens, positions)
-        past = cache.length
-        keys, values, valid = cache.update(k, v, attention_mask)  # the cache writes its own entries
-        S, W = cache.length, keys.shape[2]  # W > S: a static cache's unwritten tail, never visible
-        new = torch.arange(past, S, device=k.device)[:, None]
-        key = torch.arange(W, device=k.device)[None, :]
-        if tree_mask is None:
-            visible = ((key <= new) & valid[:, None, :]) | (key == new)
-        else:
-            m = tree_mask.shape[-1]
-            if not n <= m <= S:
-                raise ValueError(f"tree_mask covers {m} entries; it needs the {n} new nodes and at most the {S} cached")
-            prefix = valid[:, None, :S - m].expand(B, n, S - m)
-            tail = torch.zeros(B, n, W - S, dtype=torch.bool, device=k.device)
-            visible = torch.cat([prefix, tree_mask.to(torch.bool).expand(B, n, m), tail], dim=-1)
-        h = layer.finish(h_in, attend(attn.queries(x, cos, sin), keys, values, visible))
-        return DraftStep(self.compute_logits(h), h)
-
-    def step_in_place(self, cache, hidden: torch.Tensor, tokens: torch.Tensor,
-                      positions: torch.Tensor, tree_start: torch.Tensor, tree_mask: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`step` on a static cache with every length a tensor, so it compiles to one graph per
-        (n, m) whatever the cache holds. The n new entries are the last of the m tree entries
-        starting at slot `tree_start` (0-d); each sees the valid entries before `tree_start` and
-        the tree entries `tree_mask` [n, m] allows. A chain step is a tree of one node: n = m = 1,
-        tree_mask [[True]]. Returns (logits, hidden) [B, n, ...]; the caller moves `cache.length`."""
-        layer, attn = self.midlayer, self.midlayer.self_attn
-        n, m = tokens.shape[1], tree_mask.shape[-1]
-        x, cos, sin, k, v = self._new_entries(hidden, tokens, positions)
-        slots = tree_start + (m - n) + torch.arange(n, device=tokens.device)
-        keys, values, valid = cache.update(k, v, slots=slots)  # in place at `slots`; the length unmoved
-        key = torch.arange(keys.shape[2], device=tokens.device)
-        rel = key - tree_start
-        in_tree = (rel >= 0) & (rel < m)
-        tree_part = tree_mask.to(torch.bool)[:, rel.clamp(0, m - 1)] & in_tree  # [n, W]
-        visible = ((key < tree_start) & valid)[:, None, :] | tree_part
-        h = layer.finish(hidden, attend(attn.queries(x, cos, sin), keys, values, visible))
-        return self.compute_logits(h), h

@@ -146,17 +146,15 @@ def test_state_a_step_writes_in_place_is_never_an_inference_tensor():
     outside it, and on CUDA inductor's autotuner restores each mutated argument between trials
     with an in-place copy, which an inference tensor refuses (every GPU answer-writing run failed
     so). That copy, done here on every cache a compiled step writes, must pass."""
-    from types import SimpleNamespace
-
     from tiny import tiny_lm
 
     from drafttrain.decoding.batch import BatchGenerator
-    from drafttrain.kinds.eagle3.cache import Eagle3StaticCache
+    from drafttrain.kinds.features import DraftKVCache
 
     model = tiny_lm(0, vocab_size=64)
     with torch.inference_mode():
         generator = BatchGenerator(model, batch_size=2, max_length=16, compile=False)
-        draft_cache = Eagle3StaticCache(SimpleNamespace(num_key_value_heads=1, head_dim=8), 8)
+        draft_cache = DraftKVCache(capacity=8, kv_heads=1, head_dim=8)
         staged = CompiledStep(lambda x: x, torch.device("cpu"))._staged([torch.ones(3)])
     state = [*generator.lm.cache.keys, *generator.lm.cache.values, draft_cache.keys, draft_cache.values,
              draft_cache.valid, staged[0]]

@@ -8,6 +8,9 @@ import functools
 import torch
 
 from drafttrain.data.collate import TrainingCollator
+from drafttrain.decoding.dynamic_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK
+from drafttrain.decoding.engines import as_cached_lm
+from drafttrain.kinds.eagle3.decode import eagle3_decoder, eagle3_runtime
 from drafttrain.kinds.eagle3.loss import eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden
 from drafttrain.kinds.eagle3.model import Eagle3Draft, RMSNorm
 from drafttrain.kinds.eagle3.vocab import build_draft_vocab
@@ -41,6 +44,16 @@ def tiny_draft(target, draft_vocab_size: int = 40, seed: int = 1, scale: float =
             elif isinstance(module, RMSNorm):
                 module.weight.copy_(1.0 + 0.2 * torch.randn(module.weight.shape, generator=g, dtype=torch.float64))
     return draft.eval()
+
+
+def draft_decoder(target, draft: Eagle3Draft, *, num_draft_tokens: int, tree_nodes: int = DYNAMIC_TREE_NODES,
+                  tree_topk: int = DYNAMIC_TREE_TOPK, **settings):
+    """`eagle3_decoder` of `draft` bound beside `target` (a cached LM or an HF model) as the kind
+    binds it (`eagle3_runtime`: static and compiled with a static target, else eager)."""
+    lm = as_cached_lm(target)
+    runtime = eagle3_runtime(lm, draft, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes, tree_topk=tree_topk)
+    return eagle3_decoder(lm, runtime, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes, tree_topk=tree_topk,
+                          **settings)
 
 
 def target_hidden_states(target, ids: torch.Tensor, attention_mask=None, position_ids=None):

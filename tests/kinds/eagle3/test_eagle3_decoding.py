@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from eagle3_helpers import target_hidden_states, tiny_draft
+from eagle3_helpers import draft_decoder, target_hidden_states, tiny_draft
 from engines import ENGINES, on_engine, ready
 from sampling_reference import chi2_pvalue, exact_two_token_distribution
 
-from drafttrain.kinds.eagle3.decode import eagle3_decoder, Eagle3TreeDrafter
-from drafttrain.kinds.eagle3.cache import Eagle3KVCache
+from drafttrain.kinds.eagle3.decode import Eagle3Runtime, Eagle3TreeDrafter, draft_step, prefill
+from drafttrain.kinds.features import DraftKVCache
 from drafttrain.decoding.verify import Sampled
 from drafttrain.planning import accepted_within
 from drafttrain.trees import resolve_tree, tree_from_parents
@@ -38,10 +38,10 @@ TREE_FILE = Path(tempfile.mkdtemp()) / "tree.json"
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_greedy_equals_generate(trained_pair, tree, engine, k):
     target, draft = trained_pair
-    decoder = ready(eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=k, tree=TREES[tree],
+    decoder = ready(draft_decoder(on_engine(target, engine), draft, num_draft_tokens=k, tree=TREES[tree],
                                   tree_nodes=12, tree_topk=3), engine)
-    cached = (decoder.proposer if tree == "chain" else decoder.drafter).cached
-    assert cached.engine == ("eager" if engine == "eager" else "static")  # the draft follows the target
+    runtime = (decoder.proposer if tree == "chain" else decoder.drafter).runtime
+    assert runtime.engine == ("eager" if engine == "eager" else "static")  # the draft follows the target
     accepted = 0
     for prompt in PROMPTS:
         for eos in (None, EOS):
@@ -63,7 +63,7 @@ def test_greedy_equals_generate_on_gemma3(tree, engine):
     from eagle3_helpers import trained_pair
 
     target, draft = trained_pair("gemma3")
-    decoder = ready(eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=3, tree=TREES[tree],
+    decoder = ready(draft_decoder(on_engine(target, engine), draft, num_draft_tokens=3, tree=TREES[tree],
                                   tree_nodes=12, tree_topk=3), engine)
     accepted = []
     for prompt in PROMPTS:
@@ -80,7 +80,7 @@ def test_the_static_draft_engine_drafts_what_the_eager_one_does(trained_pair, tr
     target, draft = trained_pair
     accepted = {}
     for engine in ("eager", "static"):
-        decoder = eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=4, tree=TREES[tree],
+        decoder = draft_decoder(on_engine(target, engine), draft, num_draft_tokens=4, tree=TREES[tree],
                                 tree_nodes=12, tree_topk=3)
         accepted[engine] = [decoder.generate(prompt, 24).accepted_lengths for prompt in PROMPTS]
     assert accepted["static"] == accepted["eager"]
@@ -97,8 +97,8 @@ def test_draft_forwards_count_every_draft_layer_pass(trained_pair, tree):
     target, draft = trained_pair
     k = 3
     rule = Sampled(1.0, generator=torch.Generator().manual_seed(0)) if tree == "sampled" else None
-    decoder = eagle3_decoder(target, draft, num_draft_tokens=k, tree="dynamic" if tree == "dynamic" else "chain",
-                             tree_nodes=8, tree_topk=2, rule=rule)
+    decoder = draft_decoder(target, draft, num_draft_tokens=k, tree="dynamic" if tree == "dynamic" else "chain",
+                            tree_nodes=8, tree_topk=2, rule=rule)
     for prompt in (PROMPTS[0], [7]):
         gen = decoder.generate(prompt, 13)
         drafted = [m for m in gen.proposed_lengths if m]
@@ -113,7 +113,7 @@ def test_a_dynamic_tree_of_fewer_nodes_than_its_depth_decodes(trained_pair, dept
     """`nodes` nodes reach at most nodes - 1 deep: such a tree (a plan may pick one) is grown that
     deep only and decodes the target's text (it once verified a path wider than the tree)."""
     target, draft = trained_pair
-    decoder = eagle3_decoder(target, draft, num_draft_tokens=depth, tree="dynamic", tree_nodes=nodes, tree_topk=topk)
+    decoder = draft_decoder(target, draft, num_draft_tokens=depth, tree="dynamic", tree_nodes=nodes, tree_topk=topk)
     assert decoder.num_draft_tokens == nodes - 1 and decoder.num_tree_nodes == nodes
     for prompt in PROMPTS:
         gen = decoder.generate(prompt, 12)
@@ -124,7 +124,7 @@ def test_a_dynamic_tree_of_fewer_nodes_than_its_depth_decodes(trained_pair, dept
 def test_one_token_prompt_drafts_nothing_first(trained_pair):
     target, draft = trained_pair
     for tree in TREES.values():
-        gen = eagle3_decoder(target, draft, num_draft_tokens=3, tree=tree, tree_nodes=8, tree_topk=2).generate([7], 9)
+        gen = draft_decoder(target, draft, num_draft_tokens=3, tree=tree, tree_nodes=8, tree_topk=2).generate([7], 9)
         assert gen.tokens == greedy_reference(target, [7], 9)
         assert gen.proposed_lengths[0] == 0
 
@@ -137,10 +137,10 @@ def brute_force_dynamic_tree(target, draft, sequence: list[int], depth: int, top
     c = len(sequence)
 
     def logprobs(path: tuple[int, ...]) -> torch.Tensor:
-        cache = Eagle3KVCache()
-        out = draft.prefill(cache, features, torch.tensor([sequence[1:]]), torch.arange(c - 1)[None])
+        cache = DraftKVCache()
+        out = prefill(draft, cache, features, torch.tensor([sequence[1:]]), torch.arange(c - 1)[None])
         for j, token in enumerate(path):
-            out = draft.step(cache, out.hidden[:, -1:], torch.tensor([[token]]), torch.tensor([[c - 1 + j]]))
+            out = draft_step(draft, cache, out.hidden[:, -1:], torch.tensor([[token]]), torch.tensor([[c - 1 + j]]))
         return draft.to_target_logits(out.logits[0, -1]).log_softmax(-1)
 
     candidates: dict[tuple[int, ...], float] = {}
@@ -161,7 +161,7 @@ def brute_force_dynamic_tree(target, draft, sequence: list[int], depth: int, top
 def test_dynamic_tree_is_eagle2s_choice(trained_pair, depth, topk, nodes):
     target, draft = trained_pair
     sequence = PROMPTS[2]
-    drafter = Eagle3TreeDrafter(draft, "cpu", depth=depth, topk=topk, nodes=nodes)
+    drafter = Eagle3TreeDrafter(Eagle3Runtime(draft), "cpu", depth=depth, topk=topk, nodes=nodes)
     hidden = target_hidden_states(target, torch.tensor([sequence[:-1]]))
     drafter.reset(sequence, draft.target_features(hidden)[0])
     with torch.no_grad():
@@ -172,7 +172,7 @@ def test_dynamic_tree_is_eagle2s_choice(trained_pair, depth, topk, nodes):
     assert paths == set(expected)
     assert all(p[:-1] in paths or len(p) == 1 for p in paths)  # prefix-closed
     # The draft's cache: the committed prefix plus one entry per expanded node (the next commit drops them).
-    assert drafter.cached.cache.length == len(sequence) - 1 + topk * (depth - 1)
+    assert drafter.runtime.cache.length == len(sequence) - 1 + topk * (depth - 1)
 
 
 def host_dynamic_tree(target, draft, sequence, depth, topk, nodes):
@@ -183,10 +183,10 @@ def host_dynamic_tree(target, draft, sequence, depth, topk, nodes):
     c = len(sequence)
 
     def logprobs(path):
-        cache = Eagle3KVCache()
-        out = draft.prefill(cache, features, torch.tensor([sequence[1:]]), torch.arange(c - 1)[None])
+        cache = DraftKVCache()
+        out = prefill(draft, cache, features, torch.tensor([sequence[1:]]), torch.arange(c - 1)[None])
         for j, token in enumerate(path):
-            out = draft.step(cache, out.hidden[:, -1:], torch.tensor([[token]]), torch.tensor([[c - 1 + j]]))
+            out = draft_step(draft, cache, out.hidden[:, -1:], torch.tensor([[token]]), torch.tensor([[c - 1 + j]]))
         return draft.to_target_logits(out.logits[0, -1]).log_softmax(-1)
 
     made = []  # (path, ranks, score) in creation order
@@ -212,8 +212,8 @@ def test_the_device_tree_is_the_host_tree_node_for_node(trained_pair, engine, de
     on either engine (the static one grows it as one fixed-shape step)."""
     target, draft = trained_pair
     sequence = PROMPTS[2]
-    decoder = eagle3_decoder(on_engine(target, engine), draft, num_draft_tokens=depth, tree="dynamic",
-                             tree_nodes=nodes, tree_topk=topk)
+    decoder = draft_decoder(on_engine(target, engine), draft, num_draft_tokens=depth, tree="dynamic",
+                            tree_nodes=nodes, tree_topk=topk)
     drafter = decoder.drafter
     hidden = target_hidden_states(target, torch.tensor([sequence[:-1]]))
     drafter.reset(sequence, draft.target_features(hidden)[0])
@@ -242,7 +242,7 @@ def test_sampled_text_follows_target_distribution_with_a_reduced_vocabulary(temp
     exact = exact_two_token_distribution(target, prompt, temperature, top_p, V)
     assert sum(p for (x, _), p in exact.items() if x in outside) > 0.05  # the test can see a leak
     g = torch.Generator().manual_seed(1234)
-    decoder = eagle3_decoder(target, draft, num_draft_tokens=3, rule=Sampled(temperature, top_p, g))
+    decoder = draft_decoder(target, draft, num_draft_tokens=3, rule=Sampled(temperature, top_p, g))
     n, counts, accepted = 2000, {}, 0
     for _ in range(n):
         gen = decoder.generate(prompt, 3)
@@ -274,8 +274,8 @@ def test_compiled_draft_steps_equal_generate_without_recompiling(trained_pair):
     draft.attach_embeddings(target.get_input_embeddings())
     lm = cached_lm(target, "static", max_length=64, compile=True)
     for tree in ("chain", "dynamic", STATIC_TREE):
-        decoder = eagle3_decoder(lm, draft, num_draft_tokens=3, tree=tree, tree_nodes=10, tree_topk=2)
-        engine = (decoder.proposer if tree == "chain" else decoder.drafter).cached
+        decoder = draft_decoder(lm, draft, num_draft_tokens=3, tree=tree, tree_nodes=10, tree_topk=2)
+        engine = (decoder.proposer if tree == "chain" else decoder.drafter).runtime
         assert engine.compile and engine.cache.capacity >= lm.capacity and engine.cache.capacity % 256 == 0
         assert decoder.warmup() > 0 and engine.compile_seconds > 0
         accepted = []
@@ -300,8 +300,8 @@ def test_the_recorded_steps_tell_what_a_smaller_tree_accepts(trained_pair, tree)
 
     def decoder(depth, nodes):
         paths = shape if tree == "dynamic" else resolve_tree(str(TREE_FILE), depth, nodes=nodes)[1]
-        return eagle3_decoder(target, draft, num_draft_tokens=depth, tree="dynamic" if tree == "dynamic" else paths,
-                              tree_nodes=nodes, tree_topk=3)
+        return draft_decoder(target, draft, num_draft_tokens=depth, tree="dynamic" if tree == "dynamic" else paths,
+                             tree_nodes=nodes, tree_topk=3)
 
     TREE_FILE.write_text(json.dumps([list(p) for p in STATIC_TREE]))
     checked = 0

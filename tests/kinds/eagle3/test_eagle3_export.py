@@ -10,9 +10,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from drafttrain.kinds.eagle3.decode import prefill
 from drafttrain.kinds.eagle3.export import load_eagle3, save_eagle3
-from drafttrain.kinds.eagle3.cache import Eagle3KVCache
 from drafttrain.kinds.eagle3.model import Eagle3Draft
+from drafttrain.kinds.features import DraftKVCache
 from drafttrain.errors import UserError
 from eagle3_helpers import LAYERS, VOCAB, target_hidden_states, tiny_draft, tiny_target
 
@@ -132,8 +133,8 @@ def test_round_trip_is_bit_identical(tmp_path, target, dtype):
         features = draft.target_features(target_hidden_states(target, ids))
         with torch.no_grad():
             assert torch.equal(loaded(features, ids, num_steps=2), draft(features, ids, num_steps=2))
-            a = loaded.prefill(Eagle3KVCache(), features, ids, torch.arange(5)[None]).logits
-            b = draft.prefill(Eagle3KVCache(), features, ids, torch.arange(5)[None]).logits
+            a = prefill(loaded, DraftKVCache(), features, ids, torch.arange(5)[None]).logits
+            b = prefill(draft, DraftKVCache(), features, ids, torch.arange(5)[None]).logits
         assert torch.equal(a, b)
     assert next(load_eagle3(tmp_path / "e", dtype=torch.float32)[0].parameters()).dtype == torch.float32
 

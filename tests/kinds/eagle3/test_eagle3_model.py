@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from drafttrain.data.collate import TrainingCollator
-from drafttrain.kinds.eagle3.cache import Eagle3KVCache, Eagle3StaticCache
+from drafttrain.kinds.eagle3.decode import draft_step, prefill, step_in_place
 from drafttrain.kinds.eagle3.model import Eagle3Config, Eagle3Draft, check_aux_layer_ids, default_aux_layer_ids
 from drafttrain.errors import UserError
+from drafttrain.kinds.features import DraftKVCache
 from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft, tiny_target
 
 STEPS = 4
@@ -34,11 +35,11 @@ def decode_reference(draft, target, tokens: list[int], p: int, steps: int) -> li
     empty cache, then draft step by step feeding the ground-truth tokens."""
     ids = torch.tensor([tokens])
     features = draft.target_features(target_hidden_states(target, ids))
-    cache = Eagle3KVCache()
-    out = draft.prefill(cache, features[:, :p + 1], ids[:, 1:p + 2], torch.arange(p + 1)[None])
+    cache = DraftKVCache()
+    out = prefill(draft, cache, features[:, :p + 1], ids[:, 1:p + 2], torch.arange(p + 1)[None])
     logits, hidden = [out.logits[0, -1]], out.hidden[:, -1:]
     for j in range(1, steps):
-        out = draft.step(cache, hidden, ids[:, p + 1 + j:p + 2 + j], torch.tensor([[p + j]]))
+        out = draft_step(draft, cache, hidden, ids[:, p + 1 + j:p + 2 + j], torch.tensor([[p + j]]))
         logits.append(out.logits[0, -1])
         hidden = out.hidden
     return logits
@@ -105,18 +106,18 @@ def test_batched_prefill_with_left_padding_equals_each_row_alone(pair):
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     hs = target_hidden_states(target, ids, mask, positions)
-    cache = Eagle3KVCache()
+    cache = DraftKVCache()
     n = width - 1
     with torch.no_grad():
-        batched = draft.prefill(cache, draft.target_features(hs)[:, :n], ids[:, 1:], positions[:, :n], mask[:, :n])
-        step = draft.step(cache, batched.hidden[:, -1:], torch.tensor([[40], [41]]), positions[:, n - 1:n] + 1)
+        batched = prefill(draft, cache, draft.target_features(hs)[:, :n], ids[:, 1:], positions[:, :n], mask[:, :n])
+        step = draft_step(draft, cache, batched.hidden[:, -1:], torch.tensor([[40], [41]]), positions[:, n - 1:n] + 1)
     for b, row in enumerate(rows):
-        alone = Eagle3KVCache()
+        alone = DraftKVCache()
         r = torch.tensor([row])
         with torch.no_grad():
-            out = draft.prefill(alone, draft.target_features(target_hidden_states(target, r))[:, :-1], r[:, 1:],
-                                torch.arange(len(row) - 1)[None])
-            nxt = draft.step(alone, out.hidden[:, -1:], torch.tensor([[40 + b]]), torch.tensor([[len(row) - 1]]))
+            out = prefill(draft, alone, draft.target_features(target_hidden_states(target, r))[:, :-1], r[:, 1:],
+                          torch.arange(len(row) - 1)[None])
+            nxt = draft_step(draft, alone, out.hidden[:, -1:], torch.tensor([[40 + b]]), torch.tensor([[len(row) - 1]]))
         torch.testing.assert_close(batched.logits[b, width - len(row):], out.logits[0], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(step.logits[b, 0], nxt.logits[0, 0], rtol=1e-10, atol=1e-10)
 
@@ -124,12 +125,12 @@ def test_batched_prefill_with_left_padding_equals_each_row_alone(pair):
 def chain(draft, target, prompt: list[int], path: list[int]):
     """Fresh cache: prefill the prompt, then draft `path` one token at a time; logits of each step."""
     ids = torch.tensor([prompt])
-    cache = Eagle3KVCache()
-    out = draft.prefill(cache, draft.target_features(target_hidden_states(target, ids))[:, :-1], ids[:, 1:],
-                        torch.arange(len(prompt) - 1)[None])
+    cache = DraftKVCache()
+    out = prefill(draft, cache, draft.target_features(target_hidden_states(target, ids))[:, :-1], ids[:, 1:],
+                  torch.arange(len(prompt) - 1)[None])
     hidden, logits = out.hidden[:, -1:], []
     for i, token in enumerate(path):
-        out = draft.step(cache, hidden, torch.tensor([[token]]), torch.tensor([[len(prompt) - 2 + 1 + i]]))
+        out = draft_step(draft, cache, hidden, torch.tensor([[token]]), torch.tensor([[len(prompt) - 2 + 1 + i]]))
         hidden = out.hidden
         logits.append(out.logits[0, 0])
     return logits
@@ -151,14 +152,14 @@ def test_tree_levels_equal_chains_along_each_branch_and_keep_compacts(pair):
             ancestors[i, n] = True
             n = parents[n]
     with torch.no_grad():
-        cache = Eagle3KVCache()
-        pre = draft.prefill(cache, draft.target_features(target_hidden_states(target, ids))[:, :-1], ids[:, 1:],
-                            torch.arange(len(prompt) - 1)[None])
+        cache = DraftKVCache()
+        pre = prefill(draft, cache, draft.target_features(target_hidden_states(target, ids))[:, :-1], ids[:, 1:],
+                      torch.arange(len(prompt) - 1)[None])
         past = cache.length
-        level1 = draft.step(cache, pre.hidden[:, -1:].expand(1, 2, -1), torch.tensor([[a, b]]),
+        level1 = draft_step(draft, cache, pre.hidden[:, -1:].expand(1, 2, -1), torch.tensor([[a, b]]),
                             torch.full((1, 2), root + 1), tree_mask=ancestors[:2, :2])
         hidden2 = level1.hidden[:, [0, 0, 1]]
-        level2 = draft.step(cache, hidden2, torch.tensor([[c, d, e]]), torch.full((1, 3), root + 2),
+        level2 = draft_step(draft, cache, hidden2, torch.tensor([[c, d, e]]), torch.full((1, 3), root + 2),
                             tree_mask=ancestors[2:, :5])
         node_logits = [*level1.logits[0], *level2.logits[0]]
         for node in range(5):
@@ -177,13 +178,13 @@ def test_rollback_then_prefill_equals_a_fresh_cache(pair):
     ids = torch.tensor([tokens])
     features = draft.target_features(target_hidden_states(target, ids))
     with torch.no_grad():
-        cache = Eagle3KVCache()
-        out = draft.prefill(cache, features[:, :5], ids[:, 1:6], torch.arange(5)[None])
-        draft.step(cache, out.hidden[:, -1:], torch.tensor([[60]]), torch.tensor([[5]]))  # a rejected draft
-        draft.step(cache, out.hidden[:, -1:], torch.tensor([[61]]), torch.tensor([[6]]))
+        cache = DraftKVCache()
+        out = prefill(draft, cache, features[:, :5], ids[:, 1:6], torch.arange(5)[None])
+        draft_step(draft, cache, out.hidden[:, -1:], torch.tensor([[60]]), torch.tensor([[5]]))  # a rejected draft
+        draft_step(draft, cache, out.hidden[:, -1:], torch.tensor([[61]]), torch.tensor([[6]]))
         cache.rollback(5)
-        after = draft.prefill(cache, features[:, 5:8], ids[:, 6:9], torch.arange(5, 8)[None])
-        fresh = draft.prefill(Eagle3KVCache(), features[:, :8], ids[:, 1:9], torch.arange(8)[None])
+        after = prefill(draft, cache, features[:, 5:8], ids[:, 6:9], torch.arange(5, 8)[None])
+        fresh = prefill(draft, DraftKVCache(), features[:, :8], ids[:, 1:9], torch.arange(8)[None])
     torch.testing.assert_close(after.logits, fresh.logits[:, 5:], rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError):
         cache.rollback(cache.length + 1)
@@ -303,21 +304,23 @@ def test_the_static_cache_writes_what_the_growing_one_does(pair):
     tokens = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
     ids = torch.tensor([tokens])
     features = draft.target_features(target_hidden_states(target, ids))
-    grown, static = Eagle3KVCache(), Eagle3StaticCache(draft.config, 12, dtype=features.dtype)
+    grown, static = DraftKVCache(), DraftKVCache(capacity=12, kv_heads=draft.config.num_key_value_heads,
+                                                   head_dim=draft.config.head_dim, dtype=features.dtype)
     with torch.no_grad():
-        out = [draft.prefill(c, features[:, :5], ids[:, 1:6], torch.arange(5)[None]) for c in (grown, static)]
+        out = [prefill(draft, c, features[:, :5], ids[:, 1:6], torch.arange(5)[None]) for c in (grown, static)]
         torch.testing.assert_close(out[1].logits, out[0].logits, rtol=1e-12, atol=1e-12)
         assert grown.length == static.length == 5
         hidden, token, position = out[0].hidden[:, -1:], torch.tensor([[60]]), torch.tensor([[5]])
-        want = draft.step(grown, hidden, token, position)
-        logits, _ = draft.step_in_place(static, hidden, token, position, torch.tensor(5), torch.ones(1, 1, dtype=torch.bool))
+        want = draft_step(draft, grown, hidden, token, position)
+        one = torch.ones(1, 1, dtype=torch.bool)
+        logits, _ = step_in_place(draft, static, hidden, token, position, torch.tensor(5), one)
         torch.testing.assert_close(logits, want.logits, rtol=1e-12, atol=1e-12)
         assert static.length == 5 and bool(static.valid[0, :6].all()) and not bool(static.valid[0, 6:].any())
-        torch.testing.assert_close(static.keys[:, :, :6], grown.keys, rtol=0, atol=0)
-        torch.testing.assert_close(static.values[:, :, :6], grown.values, rtol=0, atol=0)
+        torch.testing.assert_close(static.keys[0][:, :, :6], grown.keys[0], rtol=0, atol=0)
+        torch.testing.assert_close(static.values[0][:, :, :6], grown.values[0], rtol=0, atol=0)
         static.rollback(5)  # the drafted entry is stale past the length: the next feed overwrites it
-        after = draft.prefill(static, features[:, 5:8], ids[:, 6:9], torch.arange(5, 8)[None])
-        fresh = draft.prefill(Eagle3KVCache(), features[:, :8], ids[:, 1:9], torch.arange(8)[None])
+        after = prefill(draft, static, features[:, 5:8], ids[:, 6:9], torch.arange(5, 8)[None])
+        fresh = prefill(draft, DraftKVCache(), features[:, :8], ids[:, 1:9], torch.arange(8)[None])
     torch.testing.assert_close(after.logits, fresh.logits[:, 5:], rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="holds 12 entries"):
-        draft.prefill(static, features[:, :5], ids[:, 1:6], torch.arange(8, 13)[None])
+        prefill(draft, static, features[:, :5], ids[:, 1:6], torch.arange(8, 13)[None])

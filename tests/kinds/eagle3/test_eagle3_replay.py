@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.kinds.eagle3.cache import Eagle3KVCache
-from drafttrain.kinds.eagle3.decode import eagle3_decoder
+from drafttrain.kinds.eagle3.decode import draft_step, prefill
+from drafttrain.kinds.features import DraftKVCache
 from drafttrain.kinds.registry import Drafter
 from drafttrain.evaluation.replay import teacher_forced_steps
-from eagle3_helpers import VOCAB, target_hidden_states, tiny_draft
+from eagle3_helpers import VOCAB, draft_decoder, target_hidden_states, tiny_draft
 from tiny import greedy_reference
 
 EOS = 2
@@ -21,14 +21,14 @@ def greedy_chain_decode(target, draft, prompt: list[int], k_max: int, max_new: i
     """Chain speculative decoding, greedy, the slow obvious way: the target recomputes the whole
     sequence every step (features and verification); only the draft uses its KV cache."""
     seq, out, lengths = list(prompt), [], []
-    cache, committed, last = Eagle3KVCache(), 0, None
+    cache, committed, last = DraftKVCache(), 0, None
     while len(out) < max_new:
         c = len(seq)
         features = draft.target_features(target_hidden_states(target, torch.tensor([seq])))
         cache.rollback(committed)  # drop what was drafted
         if c - 1 > committed:      # the draft cache must hold indices 0..c-2
-            last = draft.prefill(cache, features[:, committed:c - 1], torch.tensor([seq[committed + 1:c]]),
-                                 torch.arange(committed, c - 1)[None])
+            last = prefill(draft, cache, features[:, committed:c - 1], torch.tensor([seq[committed + 1:c]]),
+                           torch.arange(committed, c - 1)[None])
             committed = c - 1
         k = min(k_max, max_new - len(out) - 1) if c >= 2 else 0
         drafts = []
@@ -37,7 +37,7 @@ def greedy_chain_decode(target, draft, prompt: list[int], k_max: int, max_new: i
             drafts.append(token)
             hidden = last.hidden[:, -1:]
             for j in range(1, k):
-                step = draft.step(cache, hidden, torch.tensor([[token]]), torch.tensor([[c - 2 + j]]))
+                step = draft_step(draft, cache, hidden, torch.tensor([[token]]), torch.tensor([[c - 2 + j]]))
                 token, hidden = int(draft.to_target_ids(step.logits[0, 0].argmax())), step.hidden
                 drafts.append(token)
         with torch.no_grad():
@@ -96,8 +96,8 @@ def test_replay_equals_the_chain_decoders_accepted_and_proposed_lengths(trained_
     for trial in range(6):
         prompt = torch.randint(3, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
         max_new = [24, 9][trial % 2]
-        real = eagle3_decoder(target, draft, num_draft_tokens=k, tree="chain", eos_token_ids={EOS}).generate(prompt,
-                                                                                                            max_new)
+        real = draft_decoder(target, draft, num_draft_tokens=k, tree="chain", eos_token_ids={EOS}).generate(prompt,
+                                                                                                           max_new)
         assert real.tokens == greedy_reference(target, prompt, max_new, eos=EOS)
         accepted, proposed = teacher_forced_steps(Drafter("eagle3", draft), prompt, real.tokens, num_draft_tokens=k,
                                                   max_new_tokens=max_new, target=target)
