@@ -34,6 +34,7 @@ KINDS = (  # one line per kind: its folder under kinds/, whose kind.py declares 
     "oracle",
     "medusa",
     "eagle3",
+    "dflash",
 )
 REGISTRY: list[DrafterKind] = [import_module(f"{__package__}.{name}.kind").KIND for name in KINDS]
 

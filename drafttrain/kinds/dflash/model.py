@@ -128,8 +128,7 @@ class DFlashLayer(nn.Module):
         super().__init__()
         from transformers.activations import ACT2FN
 
-        self.heads, self.kv_heads, self.head_dim, self.causal = (c.num_attention_heads, c.num_key_value_heads,
-                                                                 c.head_dim, c.causal)
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
@@ -281,15 +280,17 @@ class DFlashDraft(nn.Module):
     def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(like, positions)
 
-    def embed_block(self, last: torch.Tensor) -> torch.Tensor:
-        """Blocks' inputs [B, blocks·B, H] from their last tokens `last` [B, blocks]: each token's raw
-        embedding (the target's weight, no embedding scale), then B-1 mask embeddings."""
+    def embed_block(self, last: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """Blocks' inputs [B, blocks·size, H] from their last tokens `last` [B, blocks]: each token's raw
+        embedding (the target's weight, no embedding scale), then size - 1 mask embeddings (`size`:
+        the block size trained, or K + 1 when decoding K drafts, as vLLM queries K + 1 slots)."""
+        size = size or self.config.block_size
         weight = self.__dict__["_embedding"].weight
         with torch.no_grad():
             first = torch.nn.functional.embedding(last, weight).to(self.fc.weight.dtype)
         B, blocks = last.shape
-        masks = self.mask_embedding.to(first.dtype).expand(B, blocks, self.config.block_size - 1, -1)
-        return torch.cat([first.unsqueeze(2), masks], dim=2).view(B, blocks * self.config.block_size, -1)
+        masks = self.mask_embedding.to(first.dtype).expand(B, blocks, size - 1, -1)
+        return torch.cat([first.unsqueeze(2), masks], dim=2).view(B, blocks * size, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the final hidden states."""
@@ -320,18 +321,19 @@ class DFlashDraft(nn.Module):
     # --- training: every anchor's block in one forward -----------------------------------------
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor, *,
-                position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Logits [B, A, block_size - 1, draft vocab] of every mask slot of the blocks that start at
-        `anchors` [B, A] (indices into the sequence; each block's last token is the anchor's): block a's
-        queries see the context at real positions before a, and their own block."""
+                position_ids: torch.Tensor, attention_mask: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """Logits [B, A, size - 1, draft vocab] of every mask slot of the blocks that start at `anchors`
+        [B, A] (indices into the sequence; each block's last token is the anchor's): block a's queries
+        see the context at real positions before a, and their own block. `size`: the block size
+        (default the trained one; `replay` uses K + 1, as decoding does)."""
         B, T = input_ids.shape
-        A, size = anchors.shape[1], self.config.block_size
+        A, size = anchors.shape[1], size or self.config.block_size
         context = self.context(features)
         cos, sin = self.rope(context, position_ids)
         keys, values = zip(*(layer.context_kv(context, cos, sin) for layer in self.layers))
         before = torch.arange(T, device=input_ids.device)[None, None, :] < anchors[:, :, None]
         visible = block_visible(before & attention_mask.bool()[:, None, :], A, size, self.config.causal)
-        x = self.embed_block(input_ids.gather(1, anchors))
+        x = self.embed_block(input_ids.gather(1, anchors), size)
         offsets = torch.arange(size, device=input_ids.device)
         positions = (position_ids.gather(1, anchors)[:, :, None] + offsets).view(B, A * size)
         hidden = self.blocks(x, positions, list(keys), list(values), visible).view(B, A, size, -1)

@@ -15,7 +15,7 @@ from drafttrain.kinds.eagle3.vocab import build_draft_vocab
 from tiny import greedy_reference, tiny_causal_lm
 
 VOCAB = 64
-LAYERS = 7  # default target layers (1, 3, 4)
+LAYERS = 7  # default target layers (1, 2, 4)
 EOS = 2
 BLOCK = 5
 
@@ -25,18 +25,16 @@ def tiny_target(seed: int = 0, arch: str = "llama", **kw):
     return tiny_causal_lm(arch, seed, vocab_size=VOCAB, layers=LAYERS, **kw)
 
 
-def tiny_draft(target, draft_vocab_size: int = VOCAB, seed: int = 1, scale: float = 1.0, layers: int = 2,
-               block_size: int = BLOCK, causal: bool = False) -> DFlashDraft:
+def tiny_draft(target, draft_vocab_size: int | None = None, seed: int = 1, scale: float = 1.0, layers: int = 2,
+               block_size: int = BLOCK, causal: bool = False, vocab_size: int = VOCAB) -> DFlashDraft:
     """A draft (two layers) with weights large enough that attention is far from uniform, so mask and
-    position mistakes show; over the `draft_vocab_size` most frequent tokens of a fixed list."""
+    position mistakes show; over the `draft_vocab_size` most frequent tokens of a fixed list (None: all)."""
     g = torch.Generator().manual_seed(seed)
-    counts = [[t] * (1 + (t * 7) % 5) for t in range(VOCAB)]
-    vocab = build_draft_vocab(counts, VOCAB, draft_vocab_size, always_include=(EOS,))
-    draft = DFlashDraft.from_target(target, vocab, layers=layers, block_size=block_size, mask_token_id=VOCAB - 1,
+    counts = [[t] * (1 + (t * 7) % 5) for t in range(vocab_size)]
+    vocab = build_draft_vocab(counts, vocab_size, draft_vocab_size or vocab_size, always_include=(EOS,))
+    draft = DFlashDraft.from_target(target, vocab, layers=layers, block_size=block_size, mask_token_id=vocab_size - 1,
                                     dtype=torch.float64)
     draft.config.causal = causal
-    for layer in draft.layers:
-        layer.causal = causal
     with torch.no_grad():
         for module in draft.modules():
             if isinstance(module, torch.nn.Linear) and module is not draft.lm_head:
@@ -55,9 +53,11 @@ def target_hidden_states(target, ids: torch.Tensor, attention_mask=None, positio
                       output_hidden_states=True).hidden_states
 
 
-def training_step(draft, target, batch: dict, anchors: int = 6, seed: int = 0):
-    """One batch's loss (`dflash_loss`) of `draft` on the target's features."""
-    hs = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+def training_step(draft, target, batch: dict, anchors: int = 6, seed: int = 0, hidden_states=None):
+    """One batch's loss (`dflash_loss`) of `draft` on the target's features (`hidden_states`: the
+    target's, computed once by the caller; None: computed here)."""
+    hs = hidden_states or target_hidden_states(target, batch["input_ids"], batch["attention_mask"],
+                                               batch["position_ids"])
     starts, real = sample_anchors(batch["loss_mask"], anchors, batch_seed(seed, batch["input_ids"]))
     logits = draft(draft.target_features(hs), batch["input_ids"], starts, position_ids=batch["position_ids"],
                    attention_mask=batch["attention_mask"])
