@@ -8,6 +8,7 @@
 - `output_vocab_size`: the number of logits the model emits, which may exceed the tokenizer's
   length (embeddings padded to a multiple of 64).
 - `left_pad` / `cut_at_eos`: the two sequence operations around batched `generate` calls.
+- `mask_token_id`: the id a parallel or block draft's mask slots hold.
 """
 
 from __future__ import annotations
@@ -78,3 +79,21 @@ def cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
 
 
 __all__ = ["cut_at_eos", "eos_token_ids", "left_pad", "output_vocab_size", "pad_token_id"]
+
+
+def mask_token_id(tokenizer, choice: int | str = "auto") -> int:
+    """The token id a parallel or DFlash draft's mask slots hold: `choice` (an id or a token), or, for "auto",
+    the last added token that is not one of the tokenizer's special tokens (e.g. SmolLM2's
+    `<empty_output>`): an existing embedding row that ordinary text never produces."""
+    if choice != "auto":
+        ids = tokenizer.convert_tokens_to_ids(choice) if isinstance(choice, str) else choice
+        if not isinstance(ids, int) or not 0 <= ids < len(tokenizer):
+            raise UserError(f"draft.mask_token {choice!r} is not a token of the target's tokenizer; give a token id "
+                            f"below {len(tokenizer)} or an added token such as a reserved special token")
+        return ids
+    special = set(tokenizer.all_special_ids)
+    added = sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in special)
+    if not added:
+        raise UserError("the target's tokenizer has no spare added token to use as the draft's mask; set "
+                        "draft.mask_token to a token id that the training text never contains")
+    return added[-1]

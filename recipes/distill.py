@@ -45,7 +45,8 @@ from drafttrain.export import export_draft
 from drafttrain.home import expand_vars
 from drafttrain.losses import LOSSES, TopKTeacher, distill_loss
 from drafttrain.models import DTYPES, check_model_path, load_causal_lm, load_tokenizer, resolve_dtype
-from drafttrain.kinds.parallel_lm.model import (PARALLEL_LIMIT_REASON, PARALLEL_MAX_TOKENS, depth_balanced, mark_parallel, mask_token_id, parallel_info, parallel_layout)
+from drafttrain.kinds.parallel_lm.model import (PARALLEL_LIMIT_REASON, PARALLEL_MAX_TOKENS, depth_balanced, mark_parallel, parallel_info, parallel_layout)
+from drafttrain.tokens import mask_token_id
 from drafttrain.preflight import compatibility_checks, first_vocab_difference, require_compatible
 from drafttrain.tokens import output_vocab_size
 from drafttrain.training.distributed import is_sharded

@@ -39,8 +39,8 @@ from drafttrain.kinds.dflash.export import save_dflash
 from drafttrain.kinds.dflash.loss import batch_seed, dflash_loss, sample_anchors, slot_targets, slot_weights
 from drafttrain.kinds.dflash.model import (MAX_BLOCK, MIN_BLOCK, DFlashDraft, check_target_layer_ids,
                                            default_target_layer_ids)
-from drafttrain.kinds.eagle3.vocab import build_draft_vocab
-from drafttrain.kinds.parallel_lm.model import mask_token_id
+from drafttrain.kinds.vocab import build_draft_vocab
+from drafttrain.tokens import mask_token_id
 from drafttrain.kinds.registry import trained_drafter
 from drafttrain.models import DTYPES
 from drafttrain.tokens import output_vocab_size

@@ -43,7 +43,7 @@ from drafttrain.kinds.eagle3.export import save_eagle3
 from drafttrain.features import TargetFeatures
 from drafttrain.kinds.eagle3.loss import (eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden, teacher_logits_from_topk)
 from drafttrain.kinds.eagle3.model import Eagle3Draft, check_aux_layer_ids
-from drafttrain.kinds.eagle3.vocab import build_draft_vocab
+from drafttrain.kinds.vocab import build_draft_vocab
 from drafttrain.errors import UserError
 from drafttrain.evaluation.plan import export_plans
 from drafttrain.models import DTYPES

@@ -11,7 +11,8 @@
 # Everything downloaded or generated is cached under $DRAFTTRAIN_HOME (default ~/.cache/drafttrain).
 # LOSSES="forward_kl tvd" distils one draft per loss and compares them all; HEADS=1 also trains
 # Medusa heads (recipes/configs/${TARGET}_heads_demo.yaml) and EAGLE3=1 an EAGLE-3 draft
-# (recipes/configs/${TARGET}_eagle3_demo.yaml), each added to the comparison (times: README);
+# (recipes/configs/${TARGET}_eagle3_demo.yaml) and DFLASH=1 a DFlash block draft
+# (recipes/configs/${TARGET}_dflash_demo.yaml), each added to the comparison (times: README);
 # PARALLEL=1 also makes a parallel draft (PARD: K=4 drafts from one forward) as PARD does: the distilled
 # draft adapted to mask tokens on the same cached answers (draft.parallel_tokens=4, PARALLEL_STEPS steps).
 # HYBRID=1 adds each model drafter + n-gram lookup (the lookup's chain one more branch of its chain or
@@ -41,6 +42,7 @@ DISTILL=${DISTILL:-${defaults[0]}}
 HEADS=${HEADS:-0}
 EAGLE3=${EAGLE3:-${defaults[1]}}
 PARALLEL=${PARALLEL:-0}
+DFLASH=${DFLASH:-0}
 PARALLEL_STEPS=${PARALLEL_STEPS:-40}
 HYBRID=${HYBRID:-${defaults[3]}}
 K=${K:-${defaults[2]}}         # draft tokens per step, or auto
@@ -88,6 +90,10 @@ fi
 if [ "$EAGLE3" = 1 ]; then
   train train_eagle3 eagle3 "$OUT/eagle3"
   offer eagle3 "eagle3:$OUT/eagle3/final"
+fi
+if [ "$DFLASH" = 1 ]; then
+  train train_dflash dflash "$OUT/dflash"
+  offer dflash "dflash:$OUT/dflash/final"
 fi
 plan=(--tree-nodes "$TREE_NODES")
 if [ "$K" = auto ]; then  # acceptance from other prompts than the compared ones; trees sized too

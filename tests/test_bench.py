@@ -79,7 +79,7 @@ def test_bench_figures_are_consistent(tmp_path):
     # Every drafter kind's overhead with tiny models: one host sync per step (the floor), plain
     # decoding the fewest eager ops, the node-by-node EAGLE-3 tree's 206 gone.
     overhead = {r["drafter"]: r for r in b["step_overhead"]["rows"]}
-    assert len(overhead) == 10 and "suffix" in overhead  # every registered kind's rows but the oracle's
+    assert len(overhead) == 12 and {"suffix", "DFlash block"} <= set(overhead)  # every kind's rows but the oracle's
     assert all(r["syncs_per_step"] == 1 and r["step_ms"] > 0 for r in overhead.values())
     assert min(overhead.values(), key=lambda r: r["eager_ops_per_step"])["drafter"] == "plain"
     assert overhead["EAGLE-3 dynamic tree"]["eager_ops_per_step"] <= 40

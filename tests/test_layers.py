@@ -25,18 +25,44 @@ LAYERS = [
     {"training"},                                                                       # the loop, recipes
     {"cli"},                                                                            # the command line
 ]
-KIND_MODELS = {"model", "export", "vocab", "calibrate"}  # a kind's files that sit with the models
+KIND_MODELS = {"model", "export", "vocab", "calibrate", "layers"}  # a kind's files that sit with the models
+# (and kinds/vocab.py, kinds/layers.py: the draft vocabulary and the layers the kinds' models share)
 
 
 def unit(dotted: str) -> str:
     """'drafttrain.kinds.medusa.loss' -> 'kinds.loss', '...kinds.medusa.model' -> 'kinds.model' (a kind's
     files by what they are), else the first component below the package ('kinds' for a kind's run time)."""
     parts = dotted.split(".")[1:] or ["__init__"]
-    if parts[0] == "kinds" and len(parts) == 3 and parts[2] == "loss":
+    if parts[0] == "kinds" and len(parts) in (2, 3) and parts[-1] == "loss":
         return "kinds.loss"
-    if parts[0] == "kinds" and len(parts) == 3 and parts[2] in KIND_MODELS:
+    if parts[0] == "kinds" and len(parts) in (2, 3) and parts[-1] in KIND_MODELS:
         return "kinds.model"
     return parts[0]
+
+
+# A kind's folder imports no other kind's: what two kinds share lives in kinds/ (base, features, layers,
+# vocab) or lower. The one family: a draft LM loads as a parallel draft when its config says so.
+KIN = {("draft_lm", "parallel_lm"), ("parallel_lm", "draft_lm")}
+
+
+def kind_folder(dotted: str) -> str | None:
+    parts = dotted.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "kinds" else None
+
+
+def kind_crossings(root: Path) -> list[str]:
+    found = []
+    for path in sorted((root / "kinds").glob("*/*.py")):
+        me = path.parent.name
+        for target in imports(path, root):
+            other = kind_folder(target)
+            if other not in (None, me) and (me, other) not in KIN:
+                found.append(f"{path.relative_to(root.parent)} imports {target}")
+    return found
+
+
+def test_no_kind_imports_another_kind():
+    assert not kind_crossings(PACKAGE), "\n".join(kind_crossings(PACKAGE))
 
 
 def layer(name: str) -> int:
@@ -175,3 +201,12 @@ def test_the_decoding_check_finds_an_engine_that_imports_a_higher_concern(tmp_pa
     (root / "decoding" / "engines" / "bad.py").write_text("from ..hybrid import hybrid_decoder\n")
     (root / "decoding" / "chain.py").write_text("from .engines import CachedLM\nfrom .verify import sample\n")
     assert decoding_violations(root) == ["drafttrain/decoding/engines/bad.py imports drafttrain.decoding.hybrid"]
+
+
+def test_the_kind_check_finds_a_kind_importing_another(tmp_path):
+    root = tmp_path / "drafttrain"
+    for kind in ("dflash", "eagle3", "draft_lm", "parallel_lm"):
+        (root / "kinds" / kind).mkdir(parents=True)
+    (root / "kinds" / "dflash" / "model.py").write_text("from ..eagle3.model import RMSNorm\nfrom ..layers import x\n")
+    (root / "kinds" / "draft_lm" / "kind.py").write_text("from ..parallel_lm.model import parallel_info\n")
+    assert kind_crossings(root) == ["drafttrain/kinds/dflash/model.py imports drafttrain.kinds.eagle3.model"]

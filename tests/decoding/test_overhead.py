@@ -28,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kinds" / "medusa")
 from eagle3_helpers import EOS, trained_pair  # noqa: E402
 from test_medusa_decoding import noisy_heads  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kinds" / "dflash"))  # the DFlash tests' draft
+from dflash_helpers import tiny_draft as tiny_dflash  # noqa: E402
+
 MASK = 9
 PROMPTS = [[5, 9, 13, 7, 5, 9, 13, 7, 5], [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
 MAX_NEW = 24
@@ -48,8 +51,10 @@ KINDS = {
     "medusa": ("medusa", dict(tree="default"), FLOOR),
     "eagle3-chain": ("eagle3", dict(tree="chain"), FLOOR),
     "eagle3-tree": ("eagle3", DYNAMIC, FLOOR),
+    "dflash": ("dflash", {}, FLOOR),
     "draft+ngram": ("draft", dict(hybrid="ngram"), (3, 60)),
     "eagle3-tree+ngram": ("eagle3", dict(DYNAMIC, hybrid="ngram"), (3.5, 60)),
+    "dflash+ngram": ("dflash", dict(hybrid="ngram"), (3.5, 60)),  # its feed and block are two calls beside the tree
 }
 
 
@@ -67,7 +72,8 @@ def shared(compiled_backend):
     lm = StaticLM(target, max_length=96, compile=True)
     drafts = {"draft": StaticLM(noisy_copy(target, scale=0.6), max_length=96, compile=True),
               "parallel_draft": StaticLM(noisy_copy(target, scale=0.6, seed=8), max_length=96, compile=True)}
-    models = {"none": None, "ngram": None, "suffix": None, "eagle3": draft, "medusa": noisy_heads(target, 3), **drafts}
+    models = {"none": None, "ngram": None, "suffix": None, "eagle3": draft, "medusa": noisy_heads(target, 3),
+              "dflash": tiny_dflash(target, scale=0.5, block_size=K + 1), **drafts}
     decoders = {}
     for name, (kind, extra, _) in KINDS.items():
         info = {"pard_token": MASK, "parallel_tokens": K} if kind == "parallel_draft" else {}

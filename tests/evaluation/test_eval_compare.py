@@ -57,7 +57,7 @@ def test_ngram_joins_any_drafter_with_weights_greedily(drafter):
     with pytest.raises(UserError, match="greedy"):
         EvalConfig(target="T", prompts=["p.jsonl"], out="o", ngram=True, temperature=0.5, **drafter).validate()
     for method in ("ngram", "none"):
-        with pytest.raises(UserError, match="--draft DIR, --heads DIR or --eagle3 DIR"):
+        with pytest.raises(UserError, match="--draft DIR, --heads DIR, --eagle3 DIR or --dflash DIR"):
             EvalConfig(target="T", prompts=["p.jsonl"], out="o", ngram=True, method=method).validate()
 
 

@@ -179,7 +179,7 @@ def test_every_method_is_typed_and_says_what_it_returns():
 
 def test_supports_tells_a_kind_with_its_own_method_from_the_default():
     served = {k.name for k in REGISTRY if k.supports("vllm")}
-    assert served == {"draft", "parallel_draft", "ngram", "suffix", "medusa", "eagle3"}
+    assert served == {"draft", "parallel_draft", "ngram", "suffix", "medusa", "eagle3", "dflash"}
     assert {k.name for k in REGISTRY if k.supports("lookup")} == set(LOOKUPS) == {"ngram", "suffix"}
     assert {k.name for k in REGISTRY if k.supports("tree")} == {"medusa", "eagle3"}
     for kind in REGISTRY:  # what the base returns for a kind without its own

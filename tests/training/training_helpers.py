@@ -35,16 +35,16 @@ def subprocess_env() -> dict:
     return env
 
 
-def run_python_recipe(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True,
+def run_python_recipe(args: list[str], timeout: float = 120, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(recipe), *args], capture_output=True, text=True,
                           env=subprocess_env(), timeout=timeout, cwd=REPO)
 
 
-def run_launched_recipe(accelerate_config: str, num_processes: int, args: list[str],
-                        timeout: float = 300) -> subprocess.CompletedProcess:
+def run_launched_recipe(accelerate_config: str, num_processes: int, args: list[str], timeout: float = 300,
+                        recipe: Path = RECIPE) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ACCELERATE_CONFIGS / accelerate_config), "--num_processes", str(num_processes),
-           "--main_process_port", str(_free_port()), str(RECIPE), *args]
+           "--main_process_port", str(_free_port()), str(recipe), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=timeout, cwd=REPO)
 
 

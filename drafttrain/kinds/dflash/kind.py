@@ -103,7 +103,7 @@ class DFlashKind(DrafterKind):
 
     def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
         """A fresh two-layer draft over the target's vocabulary, blocks of K + 1: alone and with n-gram lookup."""
-        from ..eagle3.vocab import build_draft_vocab
+        from ..vocab import build_draft_vocab
 
         size = target.config.vocab_size
         vocab = build_draft_vocab([list(range(size))], size, size)

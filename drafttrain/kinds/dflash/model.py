@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ...errors import UserError
-from ..eagle3.model import RMSNorm, _rope_parameters, _rotate, _softmax, norm_scale
+from ..layers import RMSNorm, rope_parameters, rotate, softmax, norm_scale
 
 MIN_BLOCK, MAX_BLOCK = 2, 32  # a block holds the last token and at least one mask; past 32 the tail drafts go unused
 
@@ -102,7 +102,7 @@ class DFlashConfig:
             target_hidden_size=c.hidden_size, target_num_layers=c.num_hidden_layers,
             target_layer_ids=tuple(target_layer_ids) if target_layer_ids is not None else
             default_target_layer_ids(c.num_hidden_layers), block_size=block_size, mask_token_id=mask_token_id,
-            max_position_embeddings=getattr(c, "max_position_embeddings", 2048), rope_parameters=_rope_parameters(c),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 2048), rope_parameters=rope_parameters(c),
             initializer_range=getattr(c, "initializer_range", 0.02))
 
     @property
@@ -148,7 +148,7 @@ class DFlashLayer(nn.Module):
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed per head, rotated) and values [B, kv_heads, n, d] of normed states `x` [B, n, H]."""
-        return _rotate(self.k_norm(self._heads(self.k_proj, x, self.kv_heads)), cos, sin), \
+        return rotate(self.k_norm(self._heads(self.k_proj, x, self.kv_heads)), cos, sin), \
             self._heads(self.v_proj, x, self.kv_heads)
 
     def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -164,7 +164,7 @@ class DFlashLayer(nn.Module):
         hidden states and the block's keys and values."""
         h = self.input_layernorm(x)
         B, n, _ = h.shape
-        q = _rotate(self.q_norm(self._heads(self.q_proj, h, self.heads)), cos, sin)
+        q = rotate(self.q_norm(self._heads(self.q_proj, h, self.heads)), cos, sin)
         k, v = self.kv(h, cos, sin)
         out = attend(q, torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2), visible)
         x = x + self.o_proj(out.transpose(1, 2).reshape(B, n, -1))
@@ -180,7 +180,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     q = q.view(B, k.shape[1], groups, n, d)
     scores = q @ k.unsqueeze(2).transpose(-1, -2) / d ** 0.5
     scores = scores.masked_fill(~visible[:, None, None], torch.finfo(scores.dtype).min)
-    return (_softmax(scores) @ v.unsqueeze(2)).view(B, heads, n, d)
+    return (softmax(scores) @ v.unsqueeze(2)).view(B, heads, n, d)
 
 
 def block_visible(context_visible: torch.Tensor, blocks: int, block_size: int, causal: bool) -> torch.Tensor:

@@ -104,7 +104,7 @@ class Eagle3Kind(DrafterKind):
     def bench_rows(self, target: torch.nn.Module, k: int, max_length: int) -> list[tuple[str, Drafter, dict]]:
         """A fresh draft over half the target's vocabulary: a chain, EAGLE-2's dynamic tree, and that tree
         with n-gram lookup's branch."""
-        from .vocab import build_draft_vocab
+        from ..vocab import build_draft_vocab
 
         size = target.config.vocab_size
         vocab = build_draft_vocab([list(range(size))], size, size // 2)

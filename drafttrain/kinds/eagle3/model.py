@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ...errors import UserError
+from ..layers import RMSNorm, norm_scale, rope_parameters, rotate, softmax
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -69,30 +70,6 @@ def check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> tuple[int
            f"no valid ids exist for {num_layers} layers: an EAGLE-3 draft needs a target of at least 4 layers")
     raise UserError(f"{what} must be 3 strictly ascending hidden-state indices in [1, {num_layers - 1}] for a "
                     f"target of {num_layers} layers (index i = output of layer i-1); {fix}")
-
-
-def _rope_parameters(target_config) -> dict:
-    """The target's rotary settings in transformers 5's `rope_parameters` form."""
-    params = getattr(target_config, "rope_parameters", None)
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        params = params.get("full_attention") or next(iter(params.values()))  # per-layer-type configs
-    if not params:  # transformers 4 style
-        params = {"rope_type": "default", "rope_theta": getattr(target_config, "rope_theta", 10000.0)}
-        scaling = getattr(target_config, "rope_scaling", None)
-        if scaling:
-            params |= dict(scaling)
-            params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")
-    return dict(params)
-
-
-def norm_scale(norm: nn.Module | None) -> torch.Tensor | None:
-    """The factor an RMSNorm multiplies by: its weight, or 1 + weight for Gemma's norms, which
-    store the offset from 1 (copying Gemma-3's raw weight into the draft's Llama-style norm
-    would scale its output by ~0 instead of ~1)."""
-    weight = getattr(norm, "weight", None)
-    if weight is None:
-        return None
-    return weight.detach() + 1 if type(norm).__name__.startswith("Gemma") else weight.detach()
 
 
 @dataclass
@@ -136,7 +113,7 @@ class Eagle3Config:
             draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size, target_num_layers=layers,
             aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers),
             max_position_embeddings=getattr(c, "max_position_embeddings", 2048),
-            rope_parameters=_rope_parameters(c), hidden_act=getattr(c, "hidden_act", "silu"),
+            rope_parameters=rope_parameters(c), hidden_act=getattr(c, "hidden_act", "silu"),
             initializer_range=getattr(c, "initializer_range", 0.02))
 
     def llama_config(self):
@@ -152,31 +129,6 @@ class Eagle3Config:
             attention_bias=False, mlp_bias=False, initializer_range=self.initializer_range)
 
 
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm, computed in at least float32 (float64 stays float64 for exact tests)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama's rotary embedding; x [B, heads, n, d], cos/sin [B, n, d]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(scores.dtype)
-
-
 class Eagle3Attention(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -190,7 +142,7 @@ class Eagle3Attention(nn.Module):
         """[B, n, 2H] -> grouped queries [B, kv_heads, heads per kv head, n, d] (GQA without copies;
         head kv·r + i is query head i of key head kv, as transformers' repeat_kv orders them)."""
         B, n, _ = x.shape
-        q = _rotate(self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        q = rotate(self.q_proj(x).view(B, n, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
         return q.view(B, self.num_kv_heads, self.num_heads // self.num_kv_heads, n, self.head_dim)
 
     def keys_values(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +150,7 @@ class Eagle3Attention(nn.Module):
         B, n, _ = x.shape
         k = self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _rotate(k, cos, sin), v
+        return rotate(k, cos, sin), v
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped attention output [B, kv, r, n, d] -> o_proj of [B, n, heads·d]."""
@@ -211,7 +163,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     visible: bool [B, n, S]. Every query must see at least one key."""
     scores = q @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~visible[:, None, None], torch.finfo(scores.dtype).min)
-    return _softmax(scores) @ v.unsqueeze(2)
+    return softmax(scores) @ v.unsqueeze(2)
 
 
 def attend_unrolled(q, k0, v0, visible0, diag_k: list, diag_v: list) -> torch.Tensor:
@@ -222,7 +174,7 @@ def attend_unrolled(q, k0, v0, visible0, diag_k: list, diag_v: list) -> torch.Te
     s0 = (q @ k0.unsqueeze(2).transpose(-1, -2)) * scale
     s0 = s0.masked_fill(~visible0[:, None, None], torch.finfo(s0.dtype).min)
     sd = torch.stack([(q * kd.unsqueeze(2)).sum(-1) for kd in diag_k], dim=-1) * scale  # [B, kv, r, n, j]
-    p = _softmax(torch.cat([s0, sd], dim=-1))
+    p = softmax(torch.cat([s0, sd], dim=-1))
     S = k0.shape[2]
     vd = torch.stack(diag_v, dim=-2).unsqueeze(2)  # [B, kv, 1, n, j, d]
     return p[..., :S] @ v0.unsqueeze(2) + (p[..., S:].unsqueeze(-1) * vd).sum(-2)

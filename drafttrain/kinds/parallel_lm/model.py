@@ -2,7 +2,7 @@
 
 At decoding time a parallel draft reads `[x_0 .. x_t, m, m, ..., m]` (K-1 copies of one mask
 token, positions t+1 .. t+K-1, plain causal attention): its logits at x_t propose token t+1, at
-mask j token t+1+j. The mask token is an existing token id the data never uses (`mask_token_id`),
+mask j token t+1+j. The mask token is an existing token id the data never uses (`tokens.mask_token_id`),
 named in the exported config as `pard_token`, as PARD's checkpoints and vLLM's parallel drafting
 read it.
 
@@ -24,24 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import UserError
-
-
-def mask_token_id(tokenizer, choice: int | str = "auto") -> int:
-    """The token id a parallel draft uses as its mask: `choice` (an id or a token), or, for "auto",
-    the last added token that is not one of the tokenizer's special tokens (e.g. SmolLM2's
-    `<empty_output>`): an existing embedding row that ordinary text never produces."""
-    if choice != "auto":
-        ids = tokenizer.convert_tokens_to_ids(choice) if isinstance(choice, str) else choice
-        if not isinstance(ids, int) or not 0 <= ids < len(tokenizer):
-            raise UserError(f"draft.mask_token {choice!r} is not a token of the target's tokenizer; give a token id "
-                            f"below {len(tokenizer)} or an added token such as a reserved special token")
-        return ids
-    special = set(tokenizer.all_special_ids)
-    added = sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in special)
-    if not added:
-        raise UserError("the target's tokenizer has no spare added token to use as the parallel draft's mask; set "
-                        "draft.mask_token to a token id that the training text never contains")
-    return added[-1]
 
 
 # The most tokens a parallel draft drafts per forward. Training holds K-1 blocks of masks beside the
@@ -230,4 +212,5 @@ def parallel_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, posit
     return ParallelLayout(ids, positions, allowed[:, None], [window, *blocks], start, L)
 
 
-__all__ = ["PARALLEL_MAX_TOKENS", "ParallelLayout", "check_parallel_config", "depth_balanced", "mark_parallel", "mask_positions", "mask_token_id", "parallel_info", "parallel_layout"]
+__all__ = ["PARALLEL_MAX_TOKENS", "ParallelLayout", "check_parallel_config", "depth_balanced", "mark_parallel", "mask_positions",
+           "parallel_info", "parallel_layout"]

@@ -10,8 +10,8 @@ import torch
 from drafttrain.data.collate import TrainingCollator
 from drafttrain.kinds.dflash.loss import batch_seed, dflash_loss, sample_anchors, slot_targets, slot_weights
 from drafttrain.kinds.dflash.model import DFlashDraft
-from drafttrain.kinds.eagle3.model import RMSNorm
-from drafttrain.kinds.eagle3.vocab import build_draft_vocab
+from drafttrain.kinds.layers import RMSNorm
+from drafttrain.kinds.vocab import build_draft_vocab
 from tiny import greedy_reference, tiny_causal_lm
 
 VOCAB = 64

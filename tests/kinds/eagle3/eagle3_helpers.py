@@ -12,8 +12,9 @@ from drafttrain.decoding.dynamic_tree import DYNAMIC_TREE_NODES, DYNAMIC_TREE_TO
 from drafttrain.decoding.engines import as_cached_lm
 from drafttrain.kinds.eagle3.decode import eagle3_decoder, eagle3_runtime
 from drafttrain.kinds.eagle3.loss import eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden
-from drafttrain.kinds.eagle3.model import Eagle3Draft, RMSNorm
-from drafttrain.kinds.eagle3.vocab import build_draft_vocab
+from drafttrain.kinds.eagle3.model import Eagle3Draft
+from drafttrain.kinds.layers import RMSNorm
+from drafttrain.kinds.vocab import build_draft_vocab
 from tiny import greedy_reference, tiny_causal_lm
 
 VOCAB = 64

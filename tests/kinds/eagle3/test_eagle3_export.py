@@ -112,7 +112,7 @@ def test_transformers_reads_the_config_as_a_one_layer_llama(tmp_path, target):
 
 
 def _vocab_of(draft):
-    from drafttrain.kinds.eagle3.vocab import DraftVocab
+    from drafttrain.kinds.vocab import DraftVocab
 
     return DraftVocab.from_d2t(draft.d2t, draft.config.vocab_size)
 

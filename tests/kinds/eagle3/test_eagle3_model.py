@@ -222,7 +222,7 @@ def test_state_dict_names_shapes_and_vocab_maps(pair):
 
 def test_initialisation_reads_the_target():
     target = tiny_target()
-    from drafttrain.kinds.eagle3.vocab import build_draft_vocab
+    from drafttrain.kinds.vocab import build_draft_vocab
 
     vocab = build_draft_vocab([[1, 5, 5, 9]], VOCAB, 10)
     with torch.no_grad():
@@ -246,7 +246,7 @@ def test_a_gemma3_target_is_read_right():
     which stores 1 + w as w, starts the draft's Llama-style norm at 1 + w (at unit RMS)."""
     from transformers import Gemma3TextConfig
 
-    from drafttrain.kinds.eagle3.vocab import build_draft_vocab
+    from drafttrain.kinds.vocab import build_draft_vocab
 
     real = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                             num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,

@@ -10,7 +10,8 @@ from tiny import tiny_lm, tiny_tokenizer
 from drafttrain.data.collate import collate, pack_example
 from drafttrain.errors import UserError
 from drafttrain.losses import distill_loss
-from drafttrain.kinds.parallel_lm.model import (depth_balanced, mask_token_id, parallel_info, mark_parallel, parallel_layout)
+from drafttrain.kinds.parallel_lm.model import depth_balanced, parallel_info, mark_parallel, parallel_layout
+from drafttrain.tokens import mask_token_id
 
 MASK = 9
 

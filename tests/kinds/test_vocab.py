@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.kinds.eagle3.vocab import DraftVocab, build_draft_vocab, token_counts
+from drafttrain.kinds.vocab import DraftVocab, build_draft_vocab, token_counts
 
 # Hand count over a vocabulary of 12: token 7 x4, 3 x3, 9 x3, 1 x2, 4 x1, 11 x1; 0,2,5,6,8,10 never.
 ANSWERS = [[7, 3, 7, 9], [9, 1, 7, 3], [4, 3, 9, 7, 1, 11]]
