@@ -495,3 +495,23 @@ def _set_config_eos(path: Path, eos) -> None:
     if "eos_token_id" in data:
         data["eos_token_id"] = eos
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def card_vllm_usage(target: str, method: str, flag: str, drafts: int) -> list[str]:
+    """A card's lines on serving the export with vLLM (`method`) and decoding it with drafttrain (`--flag`)."""
+    return ["```python", "from vllm import LLM",
+            f'llm = LLM(model="{target}", speculative_config={{"method": "{method}", '
+            f'"model": "<this directory>", "num_speculative_tokens": {drafts}}})', "```", "",
+            f"Also: `drafttrain eval --target {target} --{flag} <this directory> --prompts prompts.jsonl --out results/`",
+            ""]
+
+
+def draft_sizes(cfg: dict, config_file: Path, path: Path, target_config, what: str) -> tuple[int, int, int, int, int]:
+    """A feature-reading draft's export sizes, checked, and checked against the target when given:
+    (hidden, target vocabulary, draft vocabulary, target hidden, target layers)."""
+    hidden = config_int(cfg, "hidden_size", config_file)
+    vocab, draft_vocab = vocab_sizes(cfg, config_file)
+    target_hidden = optional_config_int(cfg, "target_hidden_size", hidden, config_file)
+    layers = target_num_layers(cfg, config_file, target_config)
+    check_target(what, path, target_config, hidden=target_hidden, vocab=vocab, layers=layers)
+    return hidden, vocab, draft_vocab, target_hidden, layers

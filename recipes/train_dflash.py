@@ -39,6 +39,7 @@ from drafttrain.kinds.dflash.export import save_dflash
 from drafttrain.kinds.dflash.loss import batch_seed, dflash_loss, sample_anchors, slot_targets, slot_weights
 from drafttrain.kinds.dflash.model import (MAX_BLOCK, MIN_BLOCK, DFlashDraft, check_target_layer_ids,
                                            default_target_layer_ids)
+from drafttrain.kinds.layers import check_shaped_like
 from drafttrain.kinds.vocab import build_draft_vocab
 from drafttrain.tokens import mask_token_id
 from drafttrain.kinds.registry import trained_drafter
@@ -48,11 +49,6 @@ from drafttrain.training.acceptance import held_out_acceptance, table_row
 from drafttrain.training.frozen import gathered
 from drafttrain.training.recipe import (Recipe, RecipeConfig, RecipeEvalConfig, exit_with, held_out_eval,
                                          recipe_main, run_directory, training_data)
-
-# Targets whose sizes the draft's Qwen3-style layers copy (the draft reads the target's embedding
-# weight raw and normalises its features, so Gemma's embedding scale does not reach it).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-
 
 @dataclass
 class DFlashArchConfig:
@@ -96,6 +92,7 @@ class DFlashEvalConfig(RecipeEvalConfig):
 
 @dataclass
 class DFlashRecipeConfig(RecipeConfig):
+    responses_only = "a DFlash draft trains"
     output_dir: str = run_directory("final/ (the draft in vLLM's DFlashDraftModel layout)")
     data: DataConfig = training_data("The draft vocabulary, when reduced, is counted on these answers.")
     eval: DFlashEvalConfig = held_out_eval(DFlashEvalConfig)
@@ -109,9 +106,6 @@ class DFlashRecipeConfig(RecipeConfig):
             raise UserError(f"eval.num_draft_tokens {self.eval.num_draft_tokens} exceeds draft.block_size - 1 = "
                             f"{self.draft.block_size - 1}: a block drafts at most that many; lower it or raise "
                             "draft.block_size")
-        if self.data.prompt_loss_weight:
-            raise UserError("data.prompt_loss_weight is a distillation setting; a DFlash draft trains on response "
-                            "positions only, so set data.prompt_loss_weight=0")
 
 
 class DFlashRecipe(Recipe[DFlashRecipeConfig]):
@@ -121,10 +115,7 @@ class DFlashRecipe(Recipe[DFlashRecipeConfig]):
     def load_models(self) -> None:
         cfg = self.config
         self.load_frozen_target(shard=False)
-        kind = getattr(self.target.config, "model_type", None)
-        if kind not in SUPPORTED:
-            raise UserError(f"the DFlash draft copies the shape of a {', '.join(SUPPORTED)} decoder layer; this "
-                            f"target is {kind!r}")
+        check_shaped_like(self.target.config, "the DFlash draft")
         layers = self.target.config.num_hidden_layers
         ids = cfg.draft.target_layer_ids
         self.target_layer_ids = check_target_layer_ids(ids if ids is not None else default_target_layer_ids(layers),

@@ -43,6 +43,7 @@ from drafttrain.kinds.eagle3.export import save_eagle3
 from drafttrain.features import TargetFeatures
 from drafttrain.kinds.eagle3.loss import (eagle3_loss, first_trained_index, next_tokens, teacher_logits_from_hidden, teacher_logits_from_topk)
 from drafttrain.kinds.eagle3.model import Eagle3Draft, check_aux_layer_ids
+from drafttrain.kinds.layers import check_shaped_like
 from drafttrain.kinds.vocab import build_draft_vocab
 from drafttrain.errors import UserError
 from drafttrain.evaluation.plan import export_plans
@@ -53,12 +54,6 @@ from drafttrain.training.distributed import is_sharded
 from drafttrain.training.frozen import gathered
 from drafttrain.training.recipe import (Recipe, RecipeConfig, RecipeEvalConfig, exit_with, held_out_eval,
                                          recipe_main, run_directory, training_data)
-
-# Targets whose sizes the draft's Llama-style layer copies (Gemma-3: its head_dim, KV heads and the global
-# layers' rotary; the draft normalises the target's embedding and features before use, so Gemma's
-# embedding scale does not reach it).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-
 
 # ----------------------------------------------------------------------------- config
 
@@ -120,6 +115,7 @@ class Eagle3EvalConfig(RecipeEvalConfig):
 
 @dataclass
 class Eagle3RecipeConfig(RecipeConfig):
+    responses_only = "an EAGLE-3 draft trains"
     output_dir: str = run_directory("final/ (the draft in SGLang's and vLLM's EAGLE-3 layout)")
     data: DataConfig = training_data(
         "The draft vocabulary is counted on these answers. With data.store_topk > 0, loss.teacher auto reads the "
@@ -141,9 +137,6 @@ class Eagle3RecipeConfig(RecipeConfig):
         if self.features.shard_target and self.features.keep_in_memory:
             raise UserError("features.keep_in_memory runs the target once per example, at different times on each "
                             "rank, which a sharded target cannot do; set features.keep_in_memory=false")
-        if self.data.prompt_loss_weight:
-            raise UserError("data.prompt_loss_weight is a distillation setting; an EAGLE-3 draft trains on response "
-                            "positions only, so set data.prompt_loss_weight=0")
 
 
 # ----------------------------------------------------------------------------- the recipe
@@ -160,10 +153,7 @@ class Eagle3Recipe(Recipe[Eagle3RecipeConfig]):
                             "launch with recipes/accelerate/fsdp2.yaml or deepspeed_zero3.yaml, or set "
                             "features.shard_target=false")
         self.load_frozen_target(shard=cfg.features.shard_target)
-        kind = getattr(self.target.config, "model_type", None)
-        if kind not in SUPPORTED:
-            raise UserError(f"the EAGLE-3 draft copies the shape of a {', '.join(SUPPORTED)} decoder layer; this "
-                            f"target is {kind!r}")
+        check_shaped_like(self.target.config, "the EAGLE-3 draft")
         layers = self.target.config.num_hidden_layers
         # Checked now, before the target answers anything: the default too (a small target has none).
         checked = check_aux_layer_ids(cfg.draft.aux_layer_ids, layers)

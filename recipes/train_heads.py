@@ -121,6 +121,7 @@ class HeadsEvalConfig(RecipeEvalConfig):
 
 @dataclass
 class HeadsConfig(RecipeConfig):
+    responses_only = "heads train"
     output_dir: str = run_directory("final/ (heads in vLLM's format; Medusa-2 also final/target/)")
     eval: HeadsEvalConfig = held_out_eval(HeadsEvalConfig)
     heads: HeadsArchConfig = setting(default_factory=HeadsArchConfig, doc="The heads' shape and what trains.")
@@ -128,9 +129,6 @@ class HeadsConfig(RecipeConfig):
     lora: HeadsLoraConfig = setting(default_factory=HeadsLoraConfig, doc="Medusa-2: LoRA on the target.")
 
     def validate_own(self) -> None:
-        if self.data.prompt_loss_weight:
-            raise UserError("data.prompt_loss_weight is a distillation setting; heads train on response positions "
-                            "only, so set data.prompt_loss_weight=0")
         if self.heads.num_layers == 0 and not self.heads.train_lm_heads:
             raise UserError("with heads.num_layers=0 and heads.train_lm_heads=false nothing would train; "
                             "set heads.num_layers >= 1 or heads.train_lm_heads=true")

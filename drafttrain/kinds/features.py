@@ -43,8 +43,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..decoding.chain import Proposer
 from ..decoding.engines import device_tensor, use_skinny_matmuls
 from ..decoding.engines.compiled import CompiledStep, static_capacity, step_state, timed_warmup
+from ..decoding.verify import Greedy, Sampled
 
 
 class DraftKVCache(nn.Module):
@@ -293,4 +295,72 @@ class FeatureDraftRuntime(ABC):
         return timed_warmup(self, [every_step])
 
 
-__all__ = ["DraftKVCache", "FeatureDraftRuntime"]
+class RuntimeView:
+    """What a kind's proposer or tree drafter shares as a thin view on a `FeatureDraftRuntime`: its
+    forwards are the runtime's, and a reset resets the runtime and, where `fused` (its next drafts come
+    from `keep`, in the graph after a verification), drafts the first ones with the prefill
+    (`first_drafts`), so no decode step runs a drafting graph of its own."""
+
+    runtime: FeatureDraftRuntime
+    _next = None  # the next step's drafts, made by `keep` (or `reset`)
+
+    @property
+    def forwards(self) -> int:
+        return self.runtime.forwards
+
+    @property
+    def fused(self) -> bool:
+        """Whether `keep` drafts the next step in the verification's graph (the kind says when)."""
+        return False
+
+    def first_drafts(self, prompt: list[int]):
+        """The first step's drafts after the prompt's features were fed (fused kinds)."""
+        raise NotImplementedError
+
+    def reset(self, prompt, hidden=None):
+        self.runtime.reset(prompt, hidden)
+        self._next = None
+        if self.fused and self.runtime.length:  # the prompt gave features to draft from
+            self._next = self.first_drafts(prompt)
+
+
+class FeatureChainProposer(RuntimeView, Proposer):
+    """A chain proposer on a `FeatureDraftRuntime` (EAGLE-3's, DFlash's): K drafts a step under the
+    decoder's rule (None: greedy), greedy chains drafted `max_k` long (one shape) and cut. Greedy on
+    the static engine, `keep` feeds the verified positions and drafts the next K in one graph
+    (`keep_and_draft`); otherwise `commit` feeds them and `draft` drafts. A kind overrides `fused`,
+    `first_drafts`, `keep_and_draft`, `draft` and `warmup`."""
+
+    def __init__(self, runtime: FeatureDraftRuntime, rule: Greedy | Sampled | None = None, max_k: int = 1):
+        self.runtime, self.rule, self.max_k = runtime, rule or Greedy(), max_k
+        self.hidden_layers = runtime.hidden_layers
+        self.device = runtime.device
+        self.empty = torch.empty(0, dtype=torch.long, device=self.device)
+
+    def keep_and_draft(self, verdict: torch.Tensor, hidden: torch.Tensor, kept: int) -> torch.Tensor:
+        """The fused step after a greedy verification: the next K drafts (`kept`: the target's length)."""
+        raise NotImplementedError
+
+    def draft(self, k: int, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k drafts after `sequence` (and their q when sampling) from the committed features."""
+        raise NotImplementedError
+
+    def keep(self, n_accepted, emitted, verdict, hidden):
+        width = self.runtime.feed_width
+        if not (self.fused and hidden is not None and hidden.shape[0] == width and verdict.shape[0] == 1 + width):
+            return super().keep(n_accepted, emitted, verdict, hidden)  # a step the token budget cut short
+        self._next = self.keep_and_draft(verdict, hidden, self.runtime.committed + n_accepted + 1)
+
+    def propose(self, k, sequence):
+        if self.runtime.length == 0 or k == 0:  # a one-token prompt: no feature to draft from yet
+            return self.empty, None
+        if self._next is not None:  # drafted by the last step's `keep`
+            drafts, self._next = self._next, None
+            return drafts[:k], None
+        return self.draft(k, sequence)
+
+    def commit(self, n_accepted, emitted, hidden=None):
+        self.runtime.commit(hidden, emitted)
+
+
+__all__ = ["DraftKVCache", "FeatureChainProposer", "FeatureDraftRuntime", "RuntimeView"]

@@ -1,9 +1,12 @@
 """Building blocks the feature-reading drafts' models share (EAGLE-3's layer, DFlash's layers): an
 RMSNorm computed in at least float32 (float64 stays float64, for the exact tests), Llama's rotary
 embedding, a softmax in at least float32, the target's rotary settings in transformers 5's form,
-and the scale a target's RMSNorm applies (Gemma's store their offset from 1)."""
+and the scale a target's RMSNorm applies (Gemma's store their offset from 1); `DraftShape`, the sizes
+such a draft takes from its target."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -56,3 +59,60 @@ def norm_scale(norm: nn.Module | None) -> torch.Tensor | None:
     if weight is None:
         return None
     return weight.detach() + 1 if type(norm).__name__.startswith("Gemma") else weight.detach()
+
+
+# Targets whose sizes a feature-reading draft's layers copy (Gemma-3: its head_dim, KV heads and the
+# global layers' rotary; the drafts normalise the target's embedding and features before use, so
+# Gemma's embedding scale does not reach them).
+SHAPED_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+def check_shaped_like(target_config, drafter: str) -> None:
+    """The target is one whose decoder layer `drafter` ("the EAGLE-3 draft") copies, or one error line."""
+    from ..errors import UserError
+
+    kind = getattr(target_config, "model_type", None)
+    if kind not in SHAPED_LIKE:
+        raise UserError(f"{drafter} copies the shape of a {', '.join(SHAPED_LIKE)} decoder layer; this target is "
+                        f"{kind!r}")
+
+
+@dataclass(kw_only=True)
+class DraftShape:
+    """The sizes a feature-reading draft takes from its target (its layers are shaped like the target's,
+    and it shares the target's embedding, so its hidden size is the target's), common to every kind's
+    config; each kind's config adds what is its own (EAGLE-3's aux layers, DFlash's block)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int                  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    target_num_layers: int
+    max_position_embeddings: int
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError("the draft shares the target's embedding, so its hidden size must be the target's")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @staticmethod
+    def of_target(c, draft_vocab_size: int) -> dict:
+        """The shape fields of a draft for the target config `c` over `draft_vocab_size` tokens."""
+        heads = c.num_attention_heads
+        return dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
+                    num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                    rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), vocab_size=c.vocab_size,
+                    draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size,
+                    target_num_layers=c.num_hidden_layers,
+                    max_position_embeddings=getattr(c, "max_position_embeddings", 2048),
+                    rope_parameters=rope_parameters(c), initializer_range=getattr(c, "initializer_range", 0.02))

@@ -100,6 +100,10 @@ class RecipeConfig:
     `output_dir = run_directory(...)` to list its exports, `data = training_data(...)` to add to the
     data's doc, `eval = held_out_eval(ItsEvalConfig)` for its own evaluation settings."""
 
+    # A recipe whose drafter trains on response positions only names it here ("heads train"): then a
+    # prompt loss weight, a distillation setting, is refused.
+    responses_only: ClassVar[str] = ""
+
     output_dir: str = run_directory()
     target: str = setting(doc="The target model: a local directory or hub id. ${VAR}s are expanded "
                                  "(${DRAFTTRAIN_HOME} defaults to ~/.cache/drafttrain).")
@@ -137,6 +141,9 @@ class RecipeConfig:
             raise UserError("evaluation needs held-out prompts; set data.heldout_size > 0 or data.heldout_fraction > 0")
         self.train.validate()
         check_settings(self)  # every section's declared choices and bounds (recipes' own sections too)
+        if self.responses_only and self.data.prompt_loss_weight:
+            raise UserError(f"data.prompt_loss_weight is a distillation setting; {self.responses_only} on response "
+                            "positions only, so set data.prompt_loss_weight=0")
         self.validate_own()
 
     def validate_own(self) -> None:

@@ -23,10 +23,8 @@ import functools
 
 import torch
 
-from ...decoding.chain import Proposer
 from ...decoding.engines import device_tensor
-from ...decoding.verify import Greedy, Sampled
-from ..features import DraftKVCache, FeatureDraftRuntime
+from ..features import DraftKVCache, FeatureChainProposer, FeatureDraftRuntime
 from .model import DFlashDraft, block_visible
 
 
@@ -152,64 +150,37 @@ class DFlashRuntime(FeatureDraftRuntime):
         return self._warm(every_step)
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(FeatureChainProposer):
     """A chain of K drafts from one block forward: greedy, or (`rule` a `verify.Sampled`) each slot's
     token picked by the rule from its distribution (`rule.pick`)."""
 
     name = "dflash"
-
-    def __init__(self, runtime: DFlashRuntime, rule: Greedy | Sampled | None = None, max_k: int = 1):
-        """`rule`: the decoder's acceptance rule (None: greedy); `max_k`: the decoder's K (every block is K
-        slots, one shape, and cut when a step may emit fewer)."""
-        self.runtime, self.rule, self.max_k = runtime, rule or Greedy(), max_k
-        self.hidden_layers = runtime.hidden_layers
-        self.device = runtime.device
-        self.empty = torch.empty(0, dtype=torch.long, device=self.device)
-        self._next: torch.Tensor | None = None  # the next step's drafts, made by `keep`
+    runtime: DFlashRuntime
 
     @property
-    def forwards(self) -> int:
-        return self.runtime.forwards
-
-    @property
-    def _fused(self) -> bool:
+    def fused(self) -> bool:
         """Greedy on the static engine: `keep` feeds and drafts the next block in one graph."""
         return self.rule.greedy and self.runtime.padded
 
-    def reset(self, prompt, hidden=None):
-        self.runtime.reset(prompt, hidden)
-        self._next = None
-        if self._fused and self.runtime.length:  # the first block, drafted with the prefill
-            self._next = self._greedy_block(prompt[-1])
+    def first_drafts(self, prompt: list[int]) -> torch.Tensor:
+        return self._greedy_block(prompt[-1])
 
     def _greedy_block(self, pending: int) -> torch.Tensor:
         """K greedy drafts after `pending` in the target's ids: one block forward."""
         logits = self.runtime.block(device_tensor([pending], self.device), self.max_k)
         return self.runtime.draft.to_target_ids(logits.argmax(dim=-1))
 
-    def keep(self, n_accepted, emitted, verdict, hidden):
-        width = self.runtime.feed_width
-        if not (self._fused and hidden is not None and hidden.shape[0] == width and verdict.shape[0] == 1 + width):
-            return super().keep(n_accepted, emitted, verdict, hidden)  # a step the token budget cut short
-        self._next = self.runtime.keep_and_draft(verdict, hidden, self.runtime.committed + n_accepted + 1, self.max_k)
+    def keep_and_draft(self, verdict, hidden, kept):
+        return self.runtime.keep_and_draft(verdict, hidden, kept, self.max_k)
 
-    def propose(self, k, sequence):
-        runtime = self.runtime
-        if runtime.length == 0 or k == 0:  # a one-token prompt: no context to draft from yet
-            return self.empty, None
-        if self._next is not None:  # drafted by the last step's `keep`
-            drafts, self._next = self._next, None
-            return drafts[:k], None
+    def draft(self, k, sequence):
         if self.rule.greedy:
             return self._greedy_block(sequence[-1])[:k], None
-        logits = runtime.block(device_tensor([sequence[-1]], self.device), self.max_k)[:k]
-        return self.rule.pick(runtime.draft.to_target_logits(logits))
-
-    def commit(self, n_accepted, emitted, hidden=None):
-        self.runtime.commit(hidden, emitted)
+        logits = self.runtime.block(device_tensor([sequence[-1]], self.device), self.max_k)[:k]
+        return self.rule.pick(self.runtime.draft.to_target_logits(logits))
 
     def warmup(self) -> float:
-        return self.runtime.warmup(self.max_k, fused=self._fused)
+        return self.runtime.warmup(self.max_k, fused=self.fused)
 
 
 __all__ = ["DFlashProposer", "DFlashRuntime", "block_logits", "keep_and_draft_block", "write_context"]

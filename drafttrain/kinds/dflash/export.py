@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 
 from ...errors import UserError
-from ...export import (building_draft, card_acceptance_section, card_info_lines, check_target, check_vocab_maps,
-                       check_weights, config_int, decoder_config_fields, hidden_act, optional_config_int,
+from ...export import (building_draft, card_acceptance_section, card_info_lines, card_vllm_usage, check_vocab_maps,
+                       check_weights, config_int, decoder_config_fields, draft_sizes, hidden_act, optional_config_int,
                        positive_number, read_export_config, read_weights, rope_parameters, save_tensor_dir,
-                       t2d_from_d2t, target_num_layers, vocab_sizes)
+                       t2d_from_d2t)
 from .model import DFlashConfig, DFlashDraft
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -143,14 +143,7 @@ def model_card(cfg: dict, acceptance_table: list[dict] | None, base_info: dict |
         *card_acceptance_section(acceptance_table),
         "## Use it",
         "",
-        "```python",
-        "from vllm import LLM",
-        f'llm = LLM(model="{target}", speculative_config={{"method": "dflash", '
-        f'"model": "<this directory>", "num_speculative_tokens": {drafts}}})',
-        "```",
-        "",
-        f"Also: `drafttrain eval --target {target} --dflash <this directory> --prompts prompts.jsonl --out results/`",
-        "",
+        *card_vllm_usage(target, "dflash", "dflash", drafts),
     ]
     return "\n".join(lines)
 
@@ -303,11 +296,7 @@ def load_dflash(path, device=None, dtype: torch.dtype | None = None, target_conf
     cfg = read_export_config(path, "DFlash draft directory", "drafttrain's DFlash export", "a DFlash draft directory",
                              "re-export the draft")
     _check_architecture(cfg, config_file)
-    hidden = config_int(cfg, "hidden_size", config_file)
-    vocab, draft_vocab = vocab_sizes(cfg, config_file)
-    target_hidden = optional_config_int(cfg, "target_hidden_size", hidden, config_file)
-    layers = target_num_layers(cfg, config_file, target_config)
-    check_target("DFlash draft", path, target_config, hidden=target_hidden, vocab=vocab, layers=layers)
+    hidden, vocab, draft_vocab, target_hidden, layers = draft_sizes(cfg, config_file, path, target_config, "DFlash draft")
     config = _dflash_config(cfg, config_file, hidden=hidden, vocab=vocab, draft_vocab=draft_vocab,
                             target_hidden=target_hidden, layers=layers)
 

@@ -24,14 +24,14 @@ a cache (the run time, `decode.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from ...errors import UserError
-from ..layers import RMSNorm, rope_parameters, rotate, softmax, norm_scale
+from ..layers import DraftShape, RMSNorm, norm_scale, rotate, softmax
 
 MIN_BLOCK, MAX_BLOCK = 2, 32  # a block holds the last token and at least one mask; past 32 the tail drafts go unused
 
@@ -57,33 +57,16 @@ def check_target_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ..
 
 
 @dataclass
-class DFlashConfig:
-    hidden_size: int
-    intermediate_size: int
+class DFlashConfig(DraftShape):
     num_hidden_layers: int           # the draft's own layers
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    vocab_size: int                  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
-    target_num_layers: int
     target_layer_ids: tuple[int, ...]
     block_size: int
     mask_token_id: int
-    max_position_embeddings: int
     causal: bool = False             # attention inside the block: DFlash's is non-causal
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    hidden_act: str = "silu"
-    initializer_range: float = 0.02
 
     def __post_init__(self):
+        super().__post_init__()
         self.target_layer_ids = check_target_layer_ids(self.target_layer_ids, self.target_num_layers)
-        if self.hidden_size != self.target_hidden_size:
-            raise ValueError("the draft shares the target's embedding, so its hidden size must be the target's")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if not MIN_BLOCK <= self.block_size <= MAX_BLOCK:
             raise UserError(f"draft.block_size {self.block_size} must be in [{MIN_BLOCK}, {MAX_BLOCK}]: the last "
                             f"token and 1 to {MAX_BLOCK - 1} mask slots")
@@ -91,19 +74,12 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, *, layers: int = 1, block_size: int = 8,
                     target_layer_ids: Sequence[int] | None = None, mask_token_id: int = 0) -> DFlashConfig:
-        """Layers shaped like the target's (its heads, head size and MLP width), as DFlash's drafts are."""
-        c = target_config
-        heads = c.num_attention_heads
-        return cls(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
-            target_hidden_size=c.hidden_size, target_num_layers=c.num_hidden_layers,
-            target_layer_ids=tuple(target_layer_ids) if target_layer_ids is not None else
-            default_target_layer_ids(c.num_hidden_layers), block_size=block_size, mask_token_id=mask_token_id,
-            max_position_embeddings=getattr(c, "max_position_embeddings", 2048), rope_parameters=rope_parameters(c),
-            initializer_range=getattr(c, "initializer_range", 0.02))
+        """Layers shaped like the target's (its heads, head size and MLP width), as DFlash's drafts are;
+        their activation Qwen3's (SiLU), which vLLM's DFlash layers are."""
+        ids = target_layer_ids if target_layer_ids is not None else default_target_layer_ids(
+            target_config.num_hidden_layers)
+        return cls(**DraftShape.of_target(target_config, draft_vocab_size), num_hidden_layers=layers,
+                   target_layer_ids=tuple(ids), block_size=block_size, mask_token_id=mask_token_id)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:

@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...decoding.chain import ChainDecoder, Proposer
+from ...decoding.chain import ChainDecoder
 from ...decoding.dynamic_tree import (DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count,
                                       grow_dynamic_tree)
 from ...decoding.engines import StaticLM, as_cached_lm, device_tensor
@@ -55,7 +55,7 @@ from ...decoding.timing import timed
 from ...decoding.tree import TreeDecoder, TreeDrafter
 from ...decoding.verify import Greedy, Sampled
 from ...trees import Path, Tree, best_first, check_paths, static_tree, tree_from_parents
-from ..features import DraftKVCache, FeatureDraftRuntime
+from ..features import DraftKVCache, FeatureChainProposer, FeatureDraftRuntime, RuntimeView
 from .model import Eagle3Draft, attend
 
 
@@ -400,34 +400,23 @@ class Eagle3Runtime(FeatureDraftRuntime):
 # --- the decoders' views on the run time -------------------------------------------------------
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(FeatureChainProposer):
     """A chain of K drafts: greedy, or (`rule` a `verify.Sampled`) each picked by the rule from the
     draft's distribution (`rule.pick`: a draw at the rule's temperature and top-p)."""
 
     name = "eagle3"
+    runtime: Eagle3Runtime
 
-    def __init__(self, runtime: Eagle3Runtime, device, rule: Greedy | Sampled | None = None, max_k: int = 1,
+    def __init__(self, runtime: Eagle3Runtime, rule: Greedy | Sampled | None = None, max_k: int = 1,
                  target_lm=None):
         """`runtime`: the draft on its engine; `rule`: the decoder's acceptance rule (None: greedy);
-        `max_k`: the K of the decoder (greedy chains are drafted K long, one shape, and cut)."""
-        self.runtime = runtime
-        self.max_k = max_k
-        self.target_lm = target_lm  # a static target: its steps after a verification are warmed up with it
-        self.hidden_layers = self.runtime.hidden_layers
-        self.rule = rule or Greedy()
-        self.device = torch.device(device)
-        self.empty = torch.empty(0, dtype=torch.long, device=self.device)
-        self._next: torch.Tensor | None = None  # the next step's drafts, made by `keep`
+        `max_k`: the K of the decoder; `target_lm`: a static target, whose steps after a verification
+        are warmed up with it."""
+        super().__init__(runtime, rule, max_k)
+        self.target_lm = target_lm
 
-    @property
-    def forwards(self) -> int:
-        return self.runtime.forwards
-
-    def reset(self, prompt, hidden=None):
-        self.runtime.reset(prompt, hidden)
-        self._next = None
-        if self._fused and self.runtime.last is not None:  # the first chain, drafted with the prefill
-            self._next = self._greedy_chain()
+    def first_drafts(self, prompt: list[int]) -> torch.Tensor:
+        return self._greedy_chain()
 
     def _greedy_chain(self) -> torch.Tensor:
         """K drafts in one go (one compiled step on the static engine)."""
@@ -435,27 +424,18 @@ class Eagle3Proposer(Proposer):
         return self.runtime.greedy_chain(self.runtime.last, self.max_k)
 
     @property
-    def _fused(self) -> bool:
+    def fused(self) -> bool:
         """Greedy on the static engine: `keep` feeds and drafts the next chain in one graph."""
         return self.rule.greedy and self.runtime.padded
 
-    def keep(self, n_accepted, emitted, verdict, hidden):
-        width = self.runtime.feed_width
-        if not (self._fused and hidden is not None and hidden.shape[0] == width and verdict.shape[0] == 1 + width):
-            return super().keep(n_accepted, emitted, verdict, hidden)  # a step the token budget cut short
-        self._next = self.runtime.keep_chain(verdict, hidden, self.runtime.committed + n_accepted + 1, self.max_k)
+    def keep_and_draft(self, verdict, hidden, kept):
+        return self.runtime.keep_chain(verdict, hidden, kept, self.max_k)
 
-    def propose(self, k, sequence):
-        runtime = self.runtime
-        last = runtime.last
-        if last is None or k == 0:  # a one-token prompt: no feature to draft from yet
-            return self.empty, None
-        if self._next is not None:  # drafted by the last step's `keep`
-            drafts, self._next = self._next, None
-            return drafts[:k], None
+    def draft(self, k, sequence):
         if self.rule.greedy:  # K drafts, cut to k
             return self._greedy_chain()[:k], None
-        logits, hidden = last.logits[:, -1:], last.hidden[:, -1:]
+        runtime = self.runtime
+        logits, hidden = runtime.last.logits[:, -1:], runtime.last.hidden[:, -1:]
         tokens, dists = [], []
         for j in range(k):
             token, q = self.rule.pick(runtime.draft.to_target_logits(logits[0, -1]))
@@ -468,16 +448,13 @@ class Eagle3Proposer(Proposer):
                 logits, hidden = out.logits, out.hidden
         return torch.cat(tokens), torch.stack(dists)
 
-    def commit(self, n_accepted, emitted, hidden=None):
-        self.runtime.commit(hidden, emitted)
-
     def warmup(self) -> float:
         if self.rule.greedy:
             return self.runtime.warmup(chain=self.max_k, target_lm=self.target_lm)
         return self.runtime.warmup(levels=[(1, 1)])  # every sampled drafting step is one token
 
 
-class Eagle3TreeDrafter(TreeDrafter):
+class Eagle3TreeDrafter(RuntimeView, TreeDrafter):
     """Greedy tree drafting: `paths` (a static tree, Medusa-style top-k choices per depth) or,
     with `paths=None`, EAGLE-2's dynamic tree of `nodes` nodes (root included), `depth` deep (at
     most nodes - 1), expanding the `topk` most likely nodes of each depth, grown on the device
@@ -511,28 +488,21 @@ class Eagle3TreeDrafter(TreeDrafter):
         self._next: DynamicTree | None = None  # the next step's tree, grown by `keep` (or `reset`)
         self._root_only = tree_from_parents([-1], self.device)  # built once: no copy in a step
 
-    @property
-    def forwards(self) -> int:
-        return self.runtime.forwards
-
-    def reset(self, prompt, hidden=None):
-        self.runtime.reset(prompt, hidden)
-        self._next = None
-        if self._fused and self.runtime.last is not None:  # the first tree, grown with the prefill
-            self._next = self._grow(device_tensor(prompt[-1:], self.device))
+    def first_drafts(self, prompt: list[int]) -> DynamicTree:
+        return self._grow(device_tensor(prompt[-1:], self.device))
 
     def commit(self, nodes, accepted, bonus, hidden=None):
         self.runtime.commit(hidden, list(accepted) + [bonus])
 
     @property
-    def _fused(self) -> bool:
+    def fused(self) -> bool:
         """A dynamic tree on the static engine: `keep` runs in one graph with the next tree."""
         return self.buffers is None and self.runtime.padded
 
     def keep(self, target, verified):
         """On the static engine (dynamic trees), the target's compaction, the draft's feed and
         the next tree are one compiled call driven by the device verdict; else the default."""
-        if not (self._fused and isinstance(target, StaticLM) and verified.argmax.shape[0] == self.max_nodes):
+        if not (self.fused and isinstance(target, StaticLM) and verified.argmax.shape[0] == self.max_nodes):
             return super().keep(target, verified)  # a root-only step, where the token budget ends
         self._next = self.runtime.keep_tree(target, verified.path, verified.argmax, verified.hidden, verified.past,
                                            verified.past + len(verified.nodes), depth=self.max_depth,
@@ -663,7 +633,7 @@ def eagle3_decoder(target, runtime: Eagle3Runtime, *, num_draft_tokens: int, tre
     rule = rule or Greedy()
     static = lm if isinstance(lm, StaticLM) else None
     if not rule.greedy or tree == "chain":
-        proposer = Eagle3Proposer(runtime, lm.device, rule, max_k=num_draft_tokens, target_lm=static)
+        proposer = Eagle3Proposer(runtime, rule, max_k=num_draft_tokens, target_lm=static)
         return ChainDecoder(lm, proposer, num_draft_tokens=num_draft_tokens, rule=rule, eos_token_ids=eos_token_ids,
                             record_margins=record_margins)
     if tree == "dynamic":

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from ...errors import UserError
-from ...export import (building_draft, card_acceptance_section, card_info_lines, check_target, check_vocab_maps,
-                       check_weights, config_int, decoder_config_fields, hidden_act, optional_config_int,
+from ...export import (building_draft, card_acceptance_section, card_info_lines, card_vllm_usage, check_vocab_maps,
+                       check_weights, config_int, decoder_config_fields, draft_sizes, hidden_act, optional_config_int,
                        positive_number, read_export_config, read_weights, rope_parameters, save_tensor_dir,
-                       t2d_from_d2t, target_num_layers, vocab_sizes)
+                       t2d_from_d2t)
 from .model import Eagle3Config, Eagle3Draft, check_aux_layer_ids, default_aux_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -107,14 +107,7 @@ def model_card(cfg: dict, acceptance_table: list[dict] | None, base_info: dict |
         "    --speculative-eagle-topk 1 --speculative-num-draft-tokens 5",
         "```",
         "",
-        "```python",
-        "from vllm import LLM",
-        f'llm = LLM(model="{target}", speculative_config={{"method": "eagle3", '
-        '"model": "<this directory>", "num_speculative_tokens": 4})',
-        "```",
-        "",
-        f"Also: `drafttrain eval --target {target} --eagle3 <this directory> --prompts prompts.jsonl --out results/`",
-        "",
+        *card_vllm_usage(target, "eagle3", "eagle3", 4),
     ]
     return "\n".join(lines)
 
@@ -182,11 +175,7 @@ def load_eagle3(path, device=None, dtype: torch.dtype | None = None,
     if cfg.get("num_hidden_layers", 1) != 1:
         raise UserError(f"{config_file}: num_hidden_layers is {cfg.get('num_hidden_layers')}; only one-layer "
                         "EAGLE-3 drafts are supported")
-    hidden = config_int(cfg, "hidden_size", config_file)
-    vocab, draft_vocab = vocab_sizes(cfg, config_file)
-    target_hidden = optional_config_int(cfg, "target_hidden_size", hidden, config_file)
-    layers = target_num_layers(cfg, config_file, target_config)
-    check_target("EAGLE-3 draft", path, target_config, hidden=target_hidden, vocab=vocab, layers=layers)
+    hidden, vocab, draft_vocab, target_hidden, layers = draft_sizes(cfg, config_file, path, target_config, "EAGLE-3 draft")
     config = _eagle3_config(cfg, config_file, hidden=hidden, vocab=vocab, draft_vocab=draft_vocab,
                             target_hidden=target_hidden, layers=layers)
 

@@ -30,14 +30,14 @@ its drafting steps, as functions of this model); the model holds what training a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from ...errors import UserError
-from ..layers import RMSNorm, norm_scale, rope_parameters, rotate, softmax
+from ..layers import DraftShape, RMSNorm, norm_scale, rotate, softmax
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -73,48 +73,22 @@ def check_aux_layer_ids(ids: Sequence[int] | None, num_layers: int) -> tuple[int
 
 
 @dataclass
-class Eagle3Config:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    vocab_size: int                  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
-    target_num_layers: int
+class Eagle3Config(DraftShape):
     aux_layer_ids: tuple[int, int, int]
-    max_position_embeddings: int
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    hidden_act: str = "silu"
-    initializer_range: float = 0.02
 
     def __post_init__(self):
+        super().__post_init__()
         self.aux_layer_ids = check_aux_layer_ids(self.aux_layer_ids, self.target_num_layers)
-        if self.hidden_size != self.target_hidden_size:
-            raise ValueError("the draft shares the target's embedding, so its hidden size must be the target's")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int,
                     aux_layer_ids: Sequence[int] | None = None) -> "Eagle3Config":
         """Sizes and rotary settings as the target's (EAGLE-3's choice: the draft layer is shaped
-        like one of the target's layers)."""
-        c = target_config
-        layers = c.num_hidden_layers
-        heads = c.num_attention_heads
-        return cls(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), vocab_size=c.vocab_size,
-            draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size, target_num_layers=layers,
-            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers),
-            max_position_embeddings=getattr(c, "max_position_embeddings", 2048),
-            rope_parameters=rope_parameters(c), hidden_act=getattr(c, "hidden_act", "silu"),
-            initializer_range=getattr(c, "initializer_range", 0.02))
+        like one of the target's layers), and its activation."""
+        layers = target_config.num_hidden_layers
+        return cls(**DraftShape.of_target(target_config, draft_vocab_size),
+                   aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers),
+                   hidden_act=getattr(target_config, "hidden_act", "silu"))
 
     def llama_config(self):
         """A one-layer LlamaConfig with these sizes (rotary embedding; export)."""
