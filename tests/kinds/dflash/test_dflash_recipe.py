@@ -124,3 +124,18 @@ def test_two_processes_end_with_the_weights_of_one(setup, tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_planned_block_stays_within_the_block_trained_and_decodes_losslessly(setup, trained, tmp_path, capsys):
+    """`--num-draft-tokens auto` plans K from this machine's costs (one block forward whatever K) and the
+    export's held-out acceptance, never past block_size - 1 (the depth limit), and decodes with it."""
+    code = cli_main(["eval", "--target", str(setup / "target"), "--dflash", str(trained / "final"), "--prompts",
+                     str(trained / "heldout.jsonl"), "--max-new-tokens", "16", "--num-draft-tokens", "auto",
+                     "--out", str(tmp_path / "eval"), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    plan = report["plan"]
+    assert plan["source"].endswith("drafttrain.json") or "drafttrain.json" in plan["source"]
+    assert [c["num_draft_tokens"] for c in plan["candidates"]] == list(range(5))  # K = 0 .. block_size - 1
+    assert report["config"]["num_draft_tokens"] == plan["num_draft_tokens"] <= 4
+    assert report["overall"]["outputs_match_baseline"] == 1.0
