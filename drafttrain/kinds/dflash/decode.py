@@ -54,12 +54,10 @@ def block_logits(draft: DFlashDraft, cache: DraftKVCache, pending: torch.Tensor,
     n = k + 1
     x = draft.embed_block(pending.view(1, 1), n)
     positions = (committed + torch.arange(n, device=x.device)).view(1, n)
-    keys, values = cache.keys, cache.values
-    room = keys[0].shape[2]
+    room = cache.keys[0].shape[2]
     context = cache.valid & (torch.arange(room, device=x.device) < committed)
     visible = block_visible(context[:, None, :], 1, n, draft.config.causal)
-    return draft.logits(draft.blocks(x, positions, [keys[i] for i in range(len(draft.layers))],
-                                     [values[i] for i in range(len(draft.layers))], visible)[0, 1:])
+    return draft.logits(draft.blocks(x, positions, cache.keys, cache.values, visible)[0, 1:])
 
 
 def block_in_place(draft: DFlashDraft, cache: DraftKVCache, pending: torch.Tensor, meta: torch.Tensor, *,

@@ -81,7 +81,7 @@ class DFlashKind(DrafterKind):
     def step_seconds(self, d: Drafter, target_lm: CachedLM, ids: list[int], max_k: int, acceptance: list[float],
                      repeats: int) -> tuple[list[float], list[str]]:
         """One block forward of k + 1 slots to draft k."""
-        return [0.0] + [block_seconds(d, target_lm, ids, k, repeats) for k in range(1, max_k + 1)], []
+        return [0.0] + block_seconds(d, target_lm, ids, list(range(1, max_k + 1)), repeats), []
 
     def draft_forwards(self, d: Drafter, max_k: int, acceptance: list[float]) -> list[tuple[int, int]]:
         """One forward of k + 1 slots to draft k."""
@@ -89,7 +89,7 @@ class DFlashKind(DrafterKind):
 
     def cost_ratio(self, d: Drafter, target_lm: CachedLM, ids: list[int], k: int) -> float:
         """One block forward per step, spread over its K drafts, over one target forward."""
-        return block_seconds(d, target_lm, ids, k) / k / single_token_seconds(target_lm, ids)
+        return block_seconds(d, target_lm, ids, [k])[0] / k / single_token_seconds(target_lm, ids)
 
     def gpu_costs(self, d: Drafter, target: torch.nn.Module, max_k: int) -> list[float]:
         """One forward for any k >= 1, its share of the target's parameters (the frozen LM head aside)."""
@@ -143,16 +143,19 @@ class DFlashKind(DrafterKind):
 
 
 @torch.inference_mode()
-def block_seconds(d: Drafter, target_lm: CachedLM, prompt: list[int], k: int, repeats: int = 10) -> float:
-    """Median time of one block forward drafting k (on the draft's engine beside `target_lm`), after
-    feeding the prompt's target features: the draft's share of a step."""
-    runtime = runtime_of(d, target_lm, k)
-    runtime.warmup(k)
+def block_seconds(d: Drafter, target_lm: CachedLM, prompt: list[int], ks: list[int], repeats: int = 10
+                  ) -> list[float]:
+    """Median time of one block forward drafting each k of `ks` (on the draft's engine beside
+    `target_lm`), after feeding the prompt's target features once (a block writes nothing to the cache):
+    the draft's share of a step."""
+    runtime = runtime_of(d, target_lm, max(ks))
+    for k in ks:
+        runtime.warmup(k)
     target_lm.reset()
     _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device), hidden_layers=runtime.hidden_layers)
     runtime.reset(prompt, hidden)
     pending = device_tensor(prompt[-1:], target_lm.device)
-    return timed(lambda: runtime._block(pending, k).argmax(-1), repeats, target_lm.device)
+    return [timed(lambda k=k: runtime._block(pending, k).argmax(-1), repeats, target_lm.device) for k in ks]
 
 
 KIND = DFlashKind()

@@ -285,10 +285,11 @@ class DFlashDraft(nn.Module):
         out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.draft_target_ids, logits)
 
-    def blocks(self, x: torch.Tensor, positions: torch.Tensor, context_keys: list, context_values: list,
+    def blocks(self, x: torch.Tensor, positions: torch.Tensor, context_keys, context_values,
                visible: torch.Tensor) -> torch.Tensor:
         """The draft layers over block inputs `x` [B, n, H] at `positions` [B, n], each layer attending to
-        its context entries (`context_keys[i]`, `context_values[i]`) and the blocks as `visible` allows."""
+        its context entries (`context_keys[i]`, `context_values[i]`: a list per layer, or a cache's
+        [layers, ...] tensor) and the blocks as `visible` allows."""
         cos, sin = self.rope(x, positions)
         for layer, keys, values in zip(self.layers, context_keys, context_values):
             x, _, _ = layer(x, cos, sin, keys, values, visible)
@@ -312,5 +313,5 @@ class DFlashDraft(nn.Module):
         x = self.embed_block(input_ids.gather(1, anchors), size)
         offsets = torch.arange(size, device=input_ids.device)
         positions = (position_ids.gather(1, anchors)[:, :, None] + offsets).view(B, A * size)
-        hidden = self.blocks(x, positions, list(keys), list(values), visible).view(B, A, size, -1)
+        hidden = self.blocks(x, positions, keys, values, visible).view(B, A, size, -1)
         return self.logits(hidden[:, :, 1:])

@@ -135,7 +135,7 @@ def test_a_planned_block_stays_within_the_block_trained_and_decodes_losslessly(s
     assert code == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     plan = report["plan"]
-    assert plan["source"].endswith("drafttrain.json") or "drafttrain.json" in plan["source"]
+    assert "drafttrain.json" in plan["source"]  # the export's held-out acceptance
     assert [c["num_draft_tokens"] for c in plan["candidates"]] == list(range(5))  # K = 0 .. block_size - 1
     assert report["config"]["num_draft_tokens"] == plan["num_draft_tokens"] <= 4
     assert report["overall"]["outputs_match_baseline"] == 1.0
