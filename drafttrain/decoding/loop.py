@@ -37,6 +37,9 @@ class Generation:
     # emitted token, which tells a near-tie (numerics may flip it) from a real disagreement.
     margins: list[float] | None = None
     draft_forwards: int = 0  # the drafter's model forwards (a parallel draft or heads: one per step)
+    # False where the steps are not in time order (a served run whose steps that drafted nothing
+    # vLLM did not record): per-window figures cannot place them (`evaluation.windows`).
+    steps_in_order: bool = True
 
 
 @dataclass

@@ -14,12 +14,14 @@ from ..errors import UserError
 from ..kinds.registry import BY_NAME, flagged, methods
 from .config import BACKEND_CHOICES, EvalConfig, _or, drafter_fields, lookups, shared_settings
 from .outputs import prepare_output_dir, staged_output
-from .report import (_fmt, bar_figure, markdown_table, per_position_figure, save_figure, scatter_figure, subtitle,
-                     write_json, write_report)
+from .load import stops_paying_at
+from .report import (_fmt, bar_figure, load_figure, markdown_table, per_position_figure, save_figure, scatter_figure,
+                     subtitle, window_figure, write_json, write_report)
 from .run import DecoderFactory, Evaluation, check_inputs, evaluate
 
 FIGURE_CAPTIONS = {"tau.png": "tau by drafter", "per_position_acceptance.png": "per-position acceptance by drafter",
-                   "speedup.png": "speedup by drafter", "tau_vs_speedup.png": "tau vs speedup"}
+                   "speedup.png": "speedup by drafter", "tau_vs_speedup.png": "tau vs speedup",
+                   "tau_by_window.png": "tau by output position", "load_speedup.png": "speedup under load"}
 # Every name compare writes into --out beside the drafters' folders: a drafter may not take one.
 COMPARISON_FILES = ("comparison.md", "comparison.json", *FIGURE_CAPTIONS)
 NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
@@ -98,7 +100,9 @@ def comparison_rows(evaluations: list[Evaluation]) -> list[dict]:
                      "divergences_at_near_ties": o["divergences_at_near_ties"],
                      "per_position_acceptance": o["per_position_acceptance"],
                      "mean_acceptance_length": o["mean_acceptance_length"],
-                     "per_position_acceptance_when_proposed": o["per_position_acceptance_when_proposed"]})
+                     "per_position_acceptance_when_proposed": o["per_position_acceptance_when_proposed"],
+                     "by_window": e.report["by_window"], "load": e.report.get("load"),
+                     "stops_paying_at": stops_paying_at(e.report.get("load"))})
     return rows
 
 
@@ -186,7 +190,40 @@ def comparison_figures(rows: list[dict], sub: str) -> dict[str, object]:
         figures["tau_vs_speedup.png"] = scatter_figure(
             {r["drafter"]: (r["tau"], r["speedup"]) for r in rows if r["speedup"] is not None},
             "tau vs measured speedup", sub)
+    if any(r["by_window"] for r in rows):
+        figures["tau_by_window.png"] = window_figure({r["drafter"]: r["by_window"] for r in rows},
+                                                     "tau by output position", sub)
+    if any(r["load"] for r in rows):
+        figures["load_speedup.png"] = load_figure({r["drafter"]: r["load"] for r in rows if r["load"]},
+                                                  "Speedup under load (vLLM)", sub)
     return figures
+
+
+def window_table(rows: list[dict], window: int) -> list[str]:
+    """comparison.md's tau per output window, a row per drafter."""
+    starts = sorted({w["start"] for r in rows for w in r["by_window"]})
+    if not starts:
+        return []
+    lines = ["", f"## tau by output window ({window} tokens)", ""]
+    return lines + markdown_table(
+        ["drafter", *(f"{s}-{s + window}" for s in starts)],
+        [[r["drafter"], *(_fmt(next((w["tau"] for w in r["by_window"] if w["start"] == s), None)) for s in starts)]
+         for r in rows])
+
+
+def load_table(rows: list[dict]) -> list[str]:
+    """comparison.md's speedup per concurrency of the served drafters, and where each stops paying."""
+    served = [r for r in rows if r["load"]]
+    if not served:
+        return []
+    levels = [e["concurrency"] for e in served[0]["load"]]
+    lines = ["", "## Speedup under load (vLLM)", "",
+             "Every prompt with N requests in flight in vLLM's engine, against the target alone at the same N in this "
+             "run (tokens/s over the wall time of all requests).", ""]
+    return lines + markdown_table(
+        ["drafter", *(f"concurrency {c}" for c in levels), "stops paying at"],
+        [[r["drafter"], *(_fmt(e["speedup"], 2) for e in r["load"]),
+          "pays at every one" if r["stops_paying_at"] is None else str(r["stops_paying_at"])] for r in served])
 
 
 # (column, row key, digits) of the comparison table
@@ -227,6 +264,7 @@ def render_comparison(rows: list[dict], first: dict, figures: dict, checks: list
         lines += ["", "Served rows (backend vllm) run in vLLM's offline engine, one prompt at a time; their baseline "
                       "is vLLM's own plain decoding of the same prompts, their match column compares with it."]
     lines += served_section(checks)
+    lines += load_table(rows) + window_table(rows, cfg["acceptance_window"])
     for name in figures:
         lines += ["", f"![{FIGURE_CAPTIONS[name]}]({name})"]
     lines += ["", "Each drafter's full report: `<drafter>/report.md`."]

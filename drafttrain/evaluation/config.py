@@ -17,6 +17,7 @@ from ..decoding.dynamic_tree import DYNAMIC_TREE_TOPK
 from ..decoding.engines import ENGINES
 from ..errors import UserError
 from ..trees import TREE_CHOICES, read_tree_file
+from .windows import ACCEPTANCE_WINDOW
 
 
 def _or(items: list[str]) -> str:
@@ -57,6 +58,17 @@ def kind_fields() -> dict[str, tuple[str, object]]:
 def int_or_auto(text: str) -> int | str:
     """A flag's K: an integer, or "auto"."""
     return "auto" if text == "auto" else int(text)
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """`--concurrency 1,4,16`: requests in flight, comma-separated, each measured in turn."""
+    try:
+        values = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError as e:
+        raise UserError(f"--concurrency {text!r} is not a comma-separated list of whole numbers, e.g. 1,4,16") from e
+    if not values or len(set(values)) != len(values):
+        raise UserError(f"--concurrency {text!r}: give each number of requests in flight once, e.g. 1,4,16")
+    return sorted(values)
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -111,6 +123,14 @@ class EvalConfig:
                            "engine, one prompt at a time, the same settings: served acceptance; needs the [vllm] "
                            "extra). In compare, a drafter may end in @vllm or @drafttrain instead.",
                            choices=BACKEND_CHOICES)
+    concurrency: list[int] = setting(
+        [1], "With --backend vllm: requests in flight in vLLM's engine, comma-separated (1,4,16); each is measured "
+        "for the target alone and every drafter on all prompts (the report's load block: tokens/s, tokens/s per "
+        "request, speedup at that concurrency). drafttrain's own decoder is batch 1.", metavar="N,N,...",
+        at_least=1, parse=parse_concurrency)
+    acceptance_window: int = setting(ACCEPTANCE_WINDOW, "Output tokens per window of the report's acceptance by "
+                                     "output position (by_window: tau and per-position acceptance per window).",
+                                     metavar="N", at_least=1)
     vars().update({f: s for f, (_, s) in kind_fields().items()})  # --ngram-max N: the kinds' own, `kind_fields`
     __annotations__.update({f: t for f, (t, _) in kind_fields().items()})
     tree: str = setting("auto", "Candidate tree of Medusa heads and EAGLE-3 drafts (greedy): auto (heads: the tree "
@@ -147,6 +167,11 @@ class EvalConfig:
                             f"{flag_name(kind.flag)} uses auto, default, chain or a tree file")
         if self.backend == "vllm":
             check_servable(self)
+        elif max(self.concurrency) > 1:
+            raise UserError(f"--concurrency {','.join(map(str, self.concurrency))} runs requests side by side in vLLM's "
+                            f"engine, but {self.drafter_name} is decoded by drafttrain's own decoder, which is batch 1 "
+                            "(one request at a time); add --backend vllm (compare: NAME=...@vllm), or leave "
+                            "--concurrency out")
 
     def _check_drafter(self) -> None:
         """Exactly one drafter, and a lookup joined only to a drafter with weights, greedy."""

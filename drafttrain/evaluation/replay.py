@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import check_settings, flag_name, setting
-from ..decoding import NUM_DRAFT_TOKENS
+from ..decoding import NUM_DRAFT_TOKENS, Generation
 from ..kinds.registry import REGISTRY, Drafter, DrafterKind, kind_of
 from ..errors import UserError
 from ..models import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from ..prompts import encode_prompt, read_prompts
 from .config import DTYPE_CHOICES
+from .windows import ACCEPTANCE_WINDOW, acceptance_by_window
 
 
 def chain_steps(matches: list[bool] | list[list[bool]], num_draft_tokens: int, max_new_tokens: int,
@@ -106,6 +107,9 @@ class ReplayConfig:
                                     at_least=1)
     max_new_tokens: int | None = setting(None, "The report's --max-new-tokens (unset: read from the report.json "
                                          "beside --outputs).", metavar="N")
+    acceptance_window: int = setting(ACCEPTANCE_WINDOW, "Output tokens per window of the acceptance by output "
+                                     "position printed for each draft (as eval's by_window).", metavar="N",
+                                     at_least=1)
     dtype: str = setting("auto", "The drafts' dtype; auto is bfloat16 on CUDA, float32 on CPU.",
                          choices=DTYPE_CHOICES)
     device: str = setting("auto", "auto, cpu, cuda or cuda:N.")
@@ -122,6 +126,7 @@ class ReplayResult:
     tokens: list[int] = field(default_factory=list)
     accepted: list[list[int]] = field(default_factory=list)
     proposed: list[list[int]] = field(default_factory=list)
+    by_window: list[dict] = field(default_factory=list)  # `windows.acceptance_by_window` of the replayed steps
 
     @property
     def tau(self) -> float:
@@ -333,7 +338,7 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
         drafter = load_replay_draft(name, kind, path, target, tokenizer, dtype, device)
         if hasattr(drafter.model, "get_input_embeddings"):  # a draft LM embeds the outputs itself
             require_known_tokens(outputs, drafter.model, f"draft {name!r}")
-        result = ReplayResult(name, cfg.num_draft_tokens, max_new)
+        result, gens = ReplayResult(name, cfg.num_draft_tokens, max_new), []
         with tqdm(prompts, desc=name, unit="prompt", disable=not progress) as bar:
             for ids, out in bar:
                 acc, prop = teacher_forced_steps(drafter, ids, out, num_draft_tokens=cfg.num_draft_tokens,
@@ -341,12 +346,20 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
                 result.tokens.append(len(out))
                 result.accepted.append(acc)
                 result.proposed.append(prop)
+                gens.append(Generation(tokens=out, accepted_lengths=acc, proposed_lengths=prop))
+        result.by_window = acceptance_by_window(gens, cfg.acceptance_window, cfg.num_draft_tokens)
         results.append(result)
         del drafter
     return results
 
 
 def format_results(results: list[ReplayResult]) -> list[str]:
-    return [f"{r.name}: tau {r.tau:.3f}, acceptance {r.acceptance_rate:.3f} over {len(r.tokens)} prompts "
-            f"(K={r.num_draft_tokens}, max new tokens {r.max_new_tokens}); per prompt "
-            + " ".join(f"{t:.2f}" for t in r.per_prompt_tau) for r in results]
+    """Per draft: its tau and acceptance, tau per prompt, then one line per output window."""
+    lines = []
+    for r in results:
+        lines.append(f"{r.name}: tau {r.tau:.3f}, acceptance {r.acceptance_rate:.3f} over {len(r.tokens)} prompts "
+                     f"(K={r.num_draft_tokens}, max new tokens {r.max_new_tokens}); per prompt "
+                     + " ".join(f"{t:.2f}" for t in r.per_prompt_tau))
+        lines += [f"  output tokens {w['start']}-{w['end']}: tau {w['tau']:.3f}, acceptance {w['acceptance']:.3f} "
+                  f"({w['prompts']} prompts, {w['steps']} steps)" for w in r.by_window]
+    return lines

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from ..kinds.registry import REGISTRY
+from .load import stops_paying_at
 from .metrics import PromptResult, divergence
 
 FINGERPRINT_BYTES = 1 << 20  # hashed from each end of a weights file: enough to tell two models apart, fast
@@ -191,6 +192,48 @@ def scatter_figure(points: dict[str, tuple[float, float]], title: str, subtitle_
     return fig
 
 
+def window_figure(series: dict[str, list[dict]], title: str, subtitle_text: str):
+    """tau against output position (`by_window`: each window at its middle), one line per series."""
+    fig = _figure(6.4)
+    ax = fig.add_subplot()
+    for name, windows in series.items():
+        if windows:
+            ax.plot([(w["start"] + w["end"]) / 2 for w in windows], [w["tau"] for w in windows], marker="o",
+                    label=name)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("output position (tokens; each point a window's middle)")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
+    fig.tight_layout()
+    return fig
+
+
+def load_figure(series: dict[str, list[dict]], title: str, subtitle_text: str):
+    """Speedup against the target alone at each concurrency (`load`), one line per drafter."""
+    fig = _figure(6.4)
+    ax = fig.add_subplot()
+    for name, load in series.items():
+        points = [(e["concurrency"], e["speedup"]) for e in load if e["speedup"] is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    levels = sorted({e["concurrency"] for load in series.values() for e in load})
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("requests in flight (concurrency)")
+    ax.set_ylabel("speedup (×) at that concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
+    fig.tight_layout()
+    return fig
+
+
 def save_figure(fig, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
@@ -212,6 +255,11 @@ def report_figures(report: dict) -> dict[str, object]:
     if overall["per_position_acceptance"]:
         series = {c: m["per_position_acceptance"] for c, m in categories_shown(report).items()}
         figures["per_position_acceptance.png"] = per_position_figure(series, f"Per-position acceptance: {name}", sub)
+    if report.get("by_window"):
+        figures["tau_by_window.png"] = window_figure({name: report["by_window"]}, f"tau by output position: {name}",
+                                                     sub)
+    if report.get("load"):
+        figures["load_speedup.png"] = load_figure({name: report["load"]}, f"Speedup under load: {name}", sub)
     if overall.get("speedup") is not None and len(by) > 1:
         figures["speedup_by_category.png"] = bar_figure(
             {c: m["speedup"] for c, m in categories_shown(report).items()}, "speedup (×)",
@@ -306,7 +354,50 @@ def render_markdown(report: dict, title: str = "Acceptance report") -> str:
             lines += ["", "![per-position acceptance](per_position_acceptance.png)"]
     if "speedup_by_category.png" in figures:
         lines += ["", "## Speedup by category", "", "![speedup by category](speedup_by_category.png)"]
+    lines += window_section(report, figures) + load_section(report, figures)
     return "\n".join(lines) + "\n"
+
+
+def window_section(report: dict, figures: dict) -> list[str]:
+    """Acceptance by output window (SPEC §9): does acceptance hold as the answer grows?"""
+    windows = report.get("by_window")
+    if windows is None:
+        return []
+    placed, prompts = report.get("by_window_prompts"), report["overall"]["prompts"]
+    lines = ["", f"## Acceptance by output window ({report['config'].get('acceptance_window')} tokens)", "",
+             "Each verification step counted in the window holding the first token it emitted; tau = tokens / steps "
+             "there."]
+    if placed is not None and placed < prompts:
+        lines += ["", f"{prompts - placed} of {prompts} prompts are left out: vLLM records only the steps that "
+                      "drafted, so where a lookup found nothing those steps cannot be placed in the output."]
+    lines += [""] + markdown_table(
+        ["tokens", "prompts", "steps", "tau", "acceptance", "per-position acceptance"],
+        [[f"{w['start']}-{w['end']}", str(w["prompts"]), str(w["steps"]), _fmt(w["tau"]), _fmt(w["acceptance"]),
+          " ".join(_fmt(v, 2) for v in w["per_position_acceptance"]) or "-"] for w in windows])
+    if "tau_by_window.png" in figures:
+        lines += ["", "![tau by output position](tau_by_window.png)"]
+    return lines
+
+
+def load_section(report: dict, figures: dict) -> list[str]:
+    """Served concurrency (SPEC §9): the speedup at each number of requests in flight."""
+    if not report.get("load"):
+        return []
+    stop = stops_paying_at(report["load"])
+    verdict = (f"It stops paying at concurrency {stop}." if stop is not None
+               else "It pays at every concurrency measured.")
+    lines = ["", "## Under load (vLLM)", "",
+             "Every prompt with N requests in flight in vLLM's engine, against the target alone at the same N in this "
+             "run; tok/s = all output tokens / the wall time, tok/s per request = the mean of each request's. "
+             f"{verdict}", ""]
+    lines += markdown_table(
+        ["concurrency", "tok/s", "tok/s per request", "target alone tok/s", "speedup", "tau", "match plain"],
+        [[str(e["concurrency"]), _fmt(e["tokens_per_s"], 1), _fmt(e["tokens_per_s_per_request"], 1),
+          _fmt(e["baseline_tokens_per_s"], 1), _fmt(e["speedup"], 2), _fmt(e["tau"]), _fmt(e["outputs_match_plain"], 2)]
+         for e in report["load"]])
+    if "load_speedup.png" in figures:
+        lines += ["", "![speedup under load](load_speedup.png)"]
+    return lines
 
 
 def plan_section(plan: dict | None) -> list[str]:

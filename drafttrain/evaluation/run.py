@@ -3,8 +3,8 @@ target alone, interleaved and timed in one process, summed up as a report dict.
 
 The story: check the inputs (`check_inputs`), load the models (`loading`), bind them to their
 engines, plan each `auto` drafter's K from measured costs (`plan`), build every decoder with the one factory (`make_decoder` -> `decoding.build_decoder`),
-compile and warm up, decode each prompt with the target alone and then with each drafter, and
-sum up (`summary.build_report`). Compile and warm-up time is reported on its own, never in tokens/s.
+compile and warm up, decode each prompt with the target alone and then with each drafter, run the
+served ones again under load (`--concurrency`, `load`), and sum up (`summary.build_report`). Compile and warm-up time is reported on its own, never in tokens/s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from .outputs import prepare_output_dir, staged_output
 from .plan import calibration_prompts, check_calibration, no_tree_reason, resolve_plans
 from .report import prompt_digest, write_report
 from .summary import build_report
-from .vllm_backend import ServedEngines, require_vllm, served_decoder
+from .load import served_load
+from .vllm_backend import ServedEngines, kv_cache_bytes, require_vllm, served_decoder
 
 
 def make_decoder(cfg: EvalConfig, models: LoadedModels, *, baseline: bool = False, seed_offset: int = 0,
@@ -88,6 +89,12 @@ def check_inputs(cfgs: list[EvalConfig]) -> None:
     check_calibration(cfgs[0], records)
     if any(cfg.backend == "vllm" for cfg in cfgs):
         require_vllm()
+    most = max(cfgs[0].concurrency)
+    if most > len(records):
+        limit = f" (--limit {cfgs[0].limit})" if cfgs[0].limit else ""
+        raise UserError(f"--concurrency {most} keeps {most} requests in flight, but there are {len(records)} prompts"
+                        f"{limit}: at most {len(records)} could be; give at least {most} prompts or a concurrency of "
+                        f"{len(records)} or less")
 
 
 def check_tree_used(cfgs: list[EvalConfig]) -> None:
@@ -138,7 +145,10 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     engine_used = bind_engine(cfgs, models, prompts + calibration)
     served = [cfg.backend == "vllm" for cfg in cfgs]
     if any(served):  # one set of vLLM engines for the run, sized as drafttrain's caches are
-        engines = ServedEngines(max_model_len=models[0].target_lm.max_length or context_length(loaded.target) or 4096)
+        max_len = models[0].target_lm.max_length or context_length(loaded.target) or 4096
+        seqs = max(first.concurrency)
+        engines = ServedEngines(max_model_len=max_len, max_num_seqs=seqs,
+                                kv_cache_bytes=kv_cache_bytes(loaded.target.config, loaded.target.dtype, max_len, seqs))
         for m in models:
             m.served = engines
     cfgs, plans = resolve_plans(cfgs, models, prompts, calibration)  # --num-draft-tokens auto: K from costs
@@ -185,6 +195,7 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                 r.baseline, r.baseline_seconds = served_baseline if is_served else baseline
                 rs.append(r)
 
+    loads = served_load(cfgs, decoders, served_base, [p.ids for p in prompts], results, progress)
     lms = {id(lm): lm for m in models for lm in (m.target_lm, m.drafter.model) if hasattr(lm, "compile_seconds")}
     compile_seconds = sum(lm.compile_seconds for lm in lms.values())
     engine = {"requested": first.engine, "used": engine_used, "compile_seconds": compile_seconds,
@@ -193,8 +204,8 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     drafts = {m.drafter.model.engine for m in models if isinstance(m.drafter.model, CachedLM)}
     if drafts - {engine_used}:
         engine["draft_engines"] = sorted(drafts)
-    evaluations = [Evaluation(cfg, build_report(cfg, m, decoder, rs, prompts[0], engine, plan), rs)
-                   for cfg, m, decoder, rs, plan in zip(cfgs, models, decoders, results, plans)]
+    evaluations = [Evaluation(cfg, build_report(cfg, m, decoder, rs, prompts[0], engine, plan, load), rs)
+                   for cfg, m, decoder, rs, plan, load in zip(cfgs, models, decoders, results, plans, loads)]
     if any(served):
         models[0].served.close()
     return evaluations

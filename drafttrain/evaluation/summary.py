@@ -18,6 +18,7 @@ from .loading import LoadedModels
 from .metrics import NEAR_TIE_TOLERANCE, PromptResult, compute_metrics, metrics_by_category
 from .report import report_inputs
 from .vllm_backend import backend_info
+from .windows import acceptance_by_window, window_prompts
 
 
 def environment(device: torch.device) -> dict:
@@ -45,7 +46,8 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[PromptResult], probe: EncodedPrompt,
-                 engine: dict, plan: dict | None = None) -> dict:
+                 engine: dict, plan: dict | None = None, load: list[dict] | None = None) -> dict:
+    """`load`: the served concurrency block (`evaluation.load`), None where nothing was served."""
     drafter = models.drafter
     kind = BY_NAME[drafter.kind]
     k = decoder.num_draft_tokens if kind.drafts else 0
@@ -57,6 +59,7 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
     num = numerics(models.dtype_name)
     kwargs = {"cost_ratio": cost, "near_tie_tolerance": num["near_tie_tolerance"]}
     overall = compute_metrics(results, k, cfg.greedy, **kwargs)
+    gens = [r.speculative for r in results]
     mem, mem_kind = peak_memory(models.device)
     overall.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind)
     tree = getattr(decoder, "tree_name", None)  # None: a chain drafter, or a plan of no speculation
@@ -76,4 +79,8 @@ def build_report(cfg: EvalConfig, models: LoadedModels, decoder, results: list[P
         **({"plan": {**plan, "measured_speedup": overall.get("speedup")}} if plan else {}),
         "overall": overall,
         "by_category": metrics_by_category(results, k, cfg.greedy, **kwargs),
+        # SPEC §9: tau by output window, over the prompts whose steps are in time order
+        "by_window": acceptance_by_window(gens, cfg.acceptance_window, k),
+        "by_window_prompts": window_prompts(gens),
+        **({"load": load} if load is not None else {}),
     }

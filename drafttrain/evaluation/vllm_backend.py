@@ -25,8 +25,10 @@ How the two count, so that their figures compare like with like:
 
 Each engine runs as vLLM runs it by default, its core in a process of its own (in this process,
 vLLM binds this process's threads and memory, and a second engine started after an n-gram one
-fails in vLLM 0.32: its kernel scan trips over numba's llvmlite). Requests go one at a time, so
-timings are batch-1; prefix caching is off so a warm-up prompt does not make a timed prefill free.
+fails in vLLM 0.32: its kernel scan trips over numba's llvmlite). The report's per-prompt rows
+send requests one at a time (batch-1 timings); `--concurrency N` also keeps N in flight
+(`generate_concurrently`, for `evaluation.load`), on engines started for that many sequences.
+Prefix caching is off so a warm-up prompt does not make a timed prefill free.
 """
 
 from __future__ import annotations
@@ -46,7 +48,19 @@ from .config import EvalConfig, check_servable
 INSTALL = ("pip install 'drafttrain[vllm]' (vLLM's CPU build; on a GPU machine install vLLM itself), or "
            "bash scripts/setup_vllm.sh")
 ENGINE_POLL_SECONDS = 1.2  # vLLM 0.32's busy poll after a request (1 s) and a margin
-KV_CACHE_BYTES = 1 << 30  # per engine: ample for batch 1 (SmolLM2: ~46 kB a token)
+KV_CACHE_BYTES = 1 << 30  # per engine, at least: ample for batch 1 (SmolLM2: ~46 kB a token)
+
+
+def kv_cache_bytes(config, dtype: torch.dtype, max_model_len: int, max_num_seqs: int) -> int:
+    """Each engine's KV cache: room for `max_num_seqs` sequences of `max_model_len` tokens of the
+    target (`config`: its HF config) and as much again for a draft model's cache, at least
+    `KV_CACHE_BYTES`. Too small a cache would make vLLM preempt requests, and a measured
+    concurrency would not be the one asked for."""
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+    return max(KV_CACHE_BYTES, 2 * per_token * max_model_len * max_num_seqs)
 
 
 def vllm_version() -> str | None:
@@ -86,25 +100,26 @@ class ServedEngines:
     row), started once per run and sized for its longest sequence (`max_model_len`); start-up is
     timed and reported, never counted in tokens/s."""
 
-    def __init__(self, max_model_len: int):
-        self.max_model_len = max_model_len
+    def __init__(self, max_model_len: int, max_num_seqs: int = 1, kv_cache_bytes: int = KV_CACHE_BYTES):
+        self.max_model_len, self.max_num_seqs, self.kv_cache_bytes = max_model_len, max_num_seqs, kv_cache_bytes
         self.engines: dict[str, object] = {}
         self.start_seconds: dict[str, float] = {}
         self.sampling_params = None  # vLLM's SamplingParams, once an engine started
+        self.final_only = None  # vLLM's RequestOutputKind.FINAL_ONLY: a request's output once, when it ends
     def get(self, *, target: str, dtype: str, device: str, seed: int, spec: dict | None):
         """(the engine, its start-up seconds)."""
         key = json.dumps({"spec": spec, "target": target, "dtype": dtype, "device": device}, sort_keys=True)
         if key not in self.engines:
-            self.engines[key] = self._start(key, target=target, dtype=dtype, device=device, seed=seed,
-                                            max_model_len=self.max_model_len, spec=spec)
+            self.engines[key] = self._start(key, target=target, dtype=dtype, device=device, seed=seed, spec=spec)
         return self.engines[key], self.start_seconds[key]
 
-    def _start(self, key, *, target, dtype, device, seed, max_model_len, spec):
+    def _start(self, key, *, target, dtype, device, seed, spec):
         require_vllm()
         from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        self.sampling_params = SamplingParams
-        kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES}  # not a share of memory: training may hold the rest
+        self.sampling_params, self.final_only = SamplingParams, RequestOutputKind.FINAL_ONLY
+        kwargs = {"kv_cache_memory_bytes": self.kv_cache_bytes}  # not a share of memory: training may hold the rest
         if spec and spec["method"] == "draft_model":
             # vLLM's hybrid KV cache manager splits a sliding-window target's layers (Gemma-3's) into
             # groups its draft-model proposer cannot share ("All drafting layers should belong to the
@@ -112,8 +127,8 @@ class ServedEngines:
             kwargs["disable_hybrid_kv_cache_manager"] = True
         start = time.perf_counter()
         try:
-            llm = LLM(model=target, dtype=dtype, seed=seed, max_model_len=max_model_len, speculative_config=spec,
-                      enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=1,
+            llm = LLM(model=target, dtype=dtype, seed=seed, max_model_len=self.max_model_len, speculative_config=spec,
+                      enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=self.max_num_seqs,
                       skip_tokenizer_init=True,  # it gets token ids: exactly the ones drafttrain decodes
                       per_request_spec_decode_metrics="detailed" if spec else "none", **kwargs)
         except Exception as e:  # vLLM refuses a configuration by raising from deep inside its engine
@@ -154,6 +169,7 @@ class ServedDecoder:
     speculative_config: dict | None = None
     engine_start_seconds: float = 0.0
     device: torch.device = torch.device("cpu")  # vLLM's generate returns when done: nothing to synchronise
+    final_only: object = None  # vLLM's RequestOutputKind.FINAL_ONLY (`generate_concurrently`)
     calls: int = 0
     tree_name = "chain"  # the one shape vLLM verifies here
     # After a request, vLLM's engine core and worker poll their queues for 1 s (busy, on the cores
@@ -164,14 +180,49 @@ class ServedDecoder:
     def num_tree_nodes(self) -> int:
         return self.num_draft_tokens + 1  # the chain's drafts and the pending token
 
-    def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
+    def _params(self, max_new_tokens: int):
+        """One request's sampling parameters (a seed of its own: repeated prompts sample independently)."""
         params = self.sampling_params(max_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                                seed=self.seed + self.calls, stop_token_ids=sorted(self.eos), detokenize=False,
-                                logprobs=2 if self.record_margins else None)
+                                      seed=self.seed + self.calls, stop_token_ids=sorted(self.eos), detokenize=False,
+                                      logprobs=2 if self.record_margins else None)
         self.calls += 1
-        out = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0].outputs[0]
+        return params
+
+    def _generation(self, out) -> Generation:
         return served_generation(list(out.token_ids), getattr(out, "spec_decode_metrics", None),
                                  out.logprobs if self.record_margins else None, self.forwards_per_step)
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
+        params = self._params(max_new_tokens)
+        out = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0].outputs[0]
+        return self._generation(out)
+
+    def generate_concurrently(self, prompts: list[list[int]], max_new_tokens: int,
+                              concurrency: int) -> tuple[list[Generation], list[float], float]:
+        """Every prompt once, `concurrency` requests in flight in the engine (the next prompt is added
+        as soon as one finishes, as a server under steady load sees them): the generations in prompt
+        order, each request's seconds from its arrival to its last token, and the wall seconds of
+        the whole. The engine must have been started with at least that many sequences."""
+        engine, waiting = self.llm.llm_engine, list(enumerate(prompts))[::-1]
+        in_flight: dict[str, tuple[int, float]] = {}
+        done: dict[int, tuple[object, float]] = {}
+        start = time.perf_counter()
+        while waiting or in_flight:
+            while waiting and len(in_flight) < concurrency:
+                index, prompt = waiting.pop()
+                params = self._params(max_new_tokens)
+                params.output_kind = self.final_only
+                request = f"load-{self.calls}-{index}"
+                engine.add_request(request, {"prompt_token_ids": list(prompt)}, params)
+                in_flight[request] = (index, time.perf_counter())
+            for out in engine.step():
+                if out.finished:
+                    index, arrived = in_flight.pop(out.request_id)
+                    done[index] = (out.outputs[0], time.perf_counter() - arrived)
+        wall = time.perf_counter() - start
+        time.sleep(self.settle_seconds)  # as after any timed request: the engine's poll, untimed
+        return ([self._generation(done[i][0]) for i in range(len(prompts))],
+                [done[i][1] for i in range(len(prompts))], wall)
 
 
 def served_decoder(cfg: EvalConfig, models, *, baseline: bool = False, seed_offset: int = 0,
@@ -186,7 +237,8 @@ def served_decoder(cfg: EvalConfig, models, *, baseline: bool = False, seed_offs
     per_step = BY_NAME[drafter.kind].vllm_forwards(k, drafter) if spec is not None else 0
     return ServedDecoder(llm, models.served.sampling_params, num_draft_tokens=k, temperature=cfg.temperature, top_p=cfg.top_p,
                          seed=cfg.seed + seed_offset, eos=frozenset(models.eos), record_margins=record_margins,
-                         forwards_per_step=per_step, speculative_config=spec, engine_start_seconds=seconds)
+                         forwards_per_step=per_step, speculative_config=spec, engine_start_seconds=seconds,
+                         final_only=models.served.final_only)
 
 
 def backend_info(cfg: EvalConfig, decoder) -> dict:
@@ -229,12 +281,14 @@ def served_generation(tokens: list[int], metrics, logprobs, forwards_per_step: i
     """drafttrain's record of one served request. Every target forward that emitted tokens is a
     step: the prefill (it emitted token 1, drafting nothing), vLLM's drafting steps from its
     per-step metrics, and the decode steps that drafted nothing (every decode step emits at
-    least one token, so they are the tokens left over). Steps after the first are not in time
-    order, which no figure depends on. Margins: the target's top-1 minus top-2 logit at each
-    token, from its top-2 logprobs (logprob differences are logit differences)."""
+    least one token, so they are the tokens left over), appended after them: where both kinds
+    occur, the steps are out of time order (`Generation.steps_in_order`). Margins: the target's
+    top-1 minus top-2 logit at each token, from its top-2 logprobs (logprob differences are logit
+    differences)."""
     accepted = [0] + list(metrics.per_step_accepted if metrics is not None else []) if tokens else []
     proposed = [0] + list(metrics.per_step_drafted if metrics is not None else []) if tokens else []
     idle = max(0, len(tokens) - sum(a + 1 for a in accepted))
+    in_order = not idle or len(accepted) <= 1  # nothing appended, or nothing but idle steps
     accepted += [0] * idle
     proposed += [0] * idle
     margins = None
@@ -245,8 +299,8 @@ def served_generation(tokens: list[int], metrics, logprobs, forwards_per_step: i
             margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
     return Generation(tokens=tokens, accepted_lengths=accepted, proposed_lengths=proposed,
                       step_tokens=[a + 1 for a in accepted], margins=margins,
-                      draft_forwards=forwards_per_step * sum(1 for m in proposed if m))
+                      draft_forwards=forwards_per_step * sum(1 for m in proposed if m), steps_in_order=in_order)
 
 
-__all__ = ["INSTALL", "ServedDecoder", "ServedEngines", "backend_info", "check_servable", "require_vllm",
+__all__ = ["INSTALL", "ServedDecoder", "ServedEngines", "backend_info", "check_servable", "kv_cache_bytes", "require_vllm",
            "serve_export", "served_decoder", "served_generation", "speculative_config", "vllm_version"]

@@ -141,9 +141,13 @@ class StandInLLM:
 
     def __init__(self, target, k):
         self.target, self.k = target, k
+        self.llm_engine, self.generated = StandInEngine(self), []
 
     def generate(self, requests, params, use_tqdm=False):
-        ids = requests[0]["prompt_token_ids"]
+        self.generated.append(requests[0]["prompt_token_ids"])
+        return [SimpleNamespace(outputs=[self.answer(requests[0]["prompt_token_ids"], params)])]
+
+    def answer(self, ids, params):
         tokens = greedy_reference(self.target, ids, params.max_tokens, eos=2)
         metrics = None
         if self.k:
@@ -154,22 +158,59 @@ class StandInLLM:
             with torch.no_grad():
                 logits = self.target(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].log_softmax(-1)
             logprobs = [{int(i): SimpleNamespace(logprob=float(v)) for v, i in zip(*row.topk(2))} for row in logits]
-        out = SimpleNamespace(token_ids=tokens, spec_decode_metrics=metrics, logprobs=logprobs)
-        return [SimpleNamespace(outputs=[out])]
+        return SimpleNamespace(token_ids=tokens, spec_decode_metrics=metrics, logprobs=logprobs)
+
+
+class StandInEngine:
+    """`LLM.llm_engine` as `generate_concurrently` drives it: `add_request`, and `step` ending
+    requests out of arrival order (request i after 1 + i % 3 steps); records how many requests
+    were ever in flight at once and every prompt added."""
+
+    def __init__(self, llm):
+        self.llm, self.in_flight, self.added, self.most_in_flight = llm, {}, [], 0
+
+    def add_request(self, request_id, prompt, params):
+        assert params.output_kind == "final-only" and request_id not in self.in_flight
+        index = int(request_id.rsplit("-", 1)[1])
+        self.in_flight[request_id] = [prompt["prompt_token_ids"], params, 1 + index % 3]
+        self.added.append(prompt["prompt_token_ids"])
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+
+    def step(self):
+        done = []
+        for request_id, request in list(self.in_flight.items()):
+            request[2] -= 1
+            if request[2] == 0:
+                del self.in_flight[request_id]
+                done.append(SimpleNamespace(request_id=request_id, finished=True,
+                                            outputs=[self.llm.answer(request[0], request[1])]))
+        return done
+
+
+class Started(list):
+    """The specs of the engines started, in order; `llms`: the stand-in engines; `served`: the
+    `ServedEngines` that started them."""
+
+    def __init__(self):
+        super().__init__()
+        self.llms, self.served = [], []
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    started = []
+    started = Started()
 
-    def start(self, key, *, target, dtype, device, seed, max_model_len, spec):
+    def start(self, key, *, target, dtype, device, seed, spec):
         from drafttrain.models import load_causal_lm
 
         started.append(spec)
         self.start_seconds[key] = 0.5
-        self.sampling_params = SimpleNamespace
-        return StandInLLM(load_causal_lm(target, torch.float64, torch.device("cpu"), "target"),
-                          spec["num_speculative_tokens"] if spec else 0)
+        self.sampling_params, self.final_only = SimpleNamespace, "final-only"
+        started.served.append(self)
+        llm = StandInLLM(load_causal_lm(target, torch.float64, torch.device("cpu"), "target"),
+                         spec["num_speculative_tokens"] if spec else 0)
+        started.llms.append(llm)
+        return llm
 
     monkeypatch.setattr(vllm_backend, "vllm_version", lambda: "0.0-stand-in")
     monkeypatch.setattr(vllm_backend.ServedEngines, "_start", start)
@@ -246,6 +287,83 @@ def test_compare_puts_served_rows_beside_ours(files, tmp_path, stand_in, capsys)
     outputs = [json.loads(line) for line in (out / "d-served" / "outputs.jsonl").read_text().splitlines()]
     ours = [json.loads(line) for line in (out / "d" / "outputs.jsonl").read_text().splitlines()]
     assert [r["speculative_token_ids"] for r in outputs] == [r["speculative_token_ids"] for r in ours]  # both lossless
+
+
+def test_served_concurrency_runs_every_prompt_once_with_that_many_in_flight(files, tmp_path, stand_in, capsys):
+    out = tmp_path / "load"
+    code, stdout, err = cli(capsys, [
+        "compare", "--target", str(files / "target"), "--drafter", f"d=draft:{files / 'draft'}@vllm",
+        "--drafter", "n=ngram@vllm", "--prompts", str(files / "p.jsonl"), "--max-new-tokens", "10",
+        "--num-draft-tokens", "3", "--dtype", "float64", "--concurrency", "3,1,2", "--out", str(out), "--quiet"])
+    assert code == 0, err
+    assert {e.max_num_seqs for e in stand_in.served} == {3}  # engines sized for the most in flight
+    for llm in stand_in.llms:  # plain, draft, n-gram: every prompt once per concurrency above 1, in order
+        prompts = llm.generated[-3:]  # one at a time: after a warm-up, each prompt once
+        assert len({tuple(p) for p in prompts}) == 3
+        assert llm.llm_engine.added == prompts + prompts
+        assert llm.llm_engine.most_in_flight == 3 and not llm.llm_engine.in_flight
+    for name in ("d", "n"):
+        report = json.loads((out / name / "report.json").read_text())
+        load = report["load"]
+        assert [e["concurrency"] for e in load] == [1, 2, 3]
+        one = report["overall"]
+        assert load[0]["tokens_per_s"] == pytest.approx(one["speculative_tokens_per_s"])
+        assert load[0]["baseline_tokens_per_s"] == pytest.approx(one["baseline_tokens_per_s"])
+        for e in load:
+            assert e["requests"] == 3 and e["output_tokens"] == one["new_tokens"]
+            assert e["outputs_match_plain"] == 1.0  # greedy outputs as plain decoding's, at every concurrency
+            assert e["speedup"] == pytest.approx(e["tokens_per_s"] / e["baseline_tokens_per_s"])
+            assert e["tau"] == pytest.approx(one["mean_accepted_length"])  # the same steps, batched or not
+        assert "## Under load (vLLM)" in (out / name / "report.md").read_text()
+    md = (out / "comparison.md").read_text()
+    assert "## Speedup under load (vLLM)" in md and "](load_speedup.png)" in md
+    assert (out / "load_speedup.png").read_bytes()[:4] == b"\x89PNG"
+    rows = json.loads((out / "comparison.json").read_text())["drafters"]
+    assert all("stops_paying_at" in r for r in rows)
+
+
+def test_load_entries_and_where_a_drafter_stops_paying():
+    from drafttrain.decoding import Generation
+    from drafttrain.evaluation.load import LoadRun, load_entry, stops_paying_at
+
+    gens = [Generation(tokens=[1] * 8, accepted_lengths=[3, 3], proposed_lengths=[3, 3]), Generation(tokens=[1] * 4,
+            accepted_lengths=[1, 1], proposed_lengths=[3, 3])]
+    run = LoadRun(gens, [2.0, 1.0], 2.5)
+    base = LoadRun([Generation(tokens=[1] * 8), Generation(tokens=[1] * 4)], [4.0, 2.0], 4.0)
+    e = load_entry(4, run, base, [Generation(tokens=[1] * 8), Generation(tokens=[2] * 4)], greedy=True)
+    assert e["tokens_per_s"] == pytest.approx(12 / 2.5) and e["baseline_tokens_per_s"] == pytest.approx(3.0)
+    assert e["tokens_per_s_per_request"] == pytest.approx((8 / 2 + 4 / 1) / 2)
+    assert e["speedup"] == pytest.approx(4.8 / 3.0) and e["tau"] == pytest.approx(12 / 4)
+    assert e["outputs_match_plain"] == 0.5
+    assert LoadRun.one_at_a_time(gens, [2.0, 1.0]).wall_seconds == 3.0
+    assert stops_paying_at([{"concurrency": 1, "speedup": 1.4}, {"concurrency": 4, "speedup": 0.9},
+                            {"concurrency": 16, "speedup": 0.7}]) == 4
+    assert stops_paying_at([{"concurrency": 1, "speedup": 1.4}]) is None
+
+
+def test_kv_cache_holds_every_sequence_in_flight():
+    config = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2 in float32: 46 kB
+    assert vllm_backend.kv_cache_bytes(config, torch.float32, 300, 1) == vllm_backend.KV_CACHE_BYTES
+    assert vllm_backend.kv_cache_bytes(config, torch.float32, 2048, 16) == 2 * per_token * 2048 * 16
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--concurrency", "1,4"], ["--concurrency 1,4", "batch 1", "--backend vllm"]),
+    (["--concurrency", "4,x"], ["--concurrency", "comma-separated"]),
+    (["--concurrency", "0"], ["--concurrency", "at least 1"]),
+    (["--concurrency", "2,2"], ["--concurrency", "once"]),
+    (["--acceptance-window", "0"], ["--acceptance-window", "at least 1"]),
+    (["--concurrency", "1,4", "--backend", "vllm"], ["--concurrency 4", "3 prompts", "at least 4 prompts"]),
+])
+def test_concurrency_on_the_bundled_decoder_and_bad_values_are_one_error_line(files, tmp_path, capsys, monkeypatch,
+                                                                             argv, words):
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda: "0.0-stand-in")
+    out = tmp_path / "r"
+    code, stdout, err = cli(capsys, ["eval", "--target", str(files / "target"), "--method", "ngram",
+                                     "--prompts", str(files / "p.jsonl"), "--out", str(out), *argv])
+    one_error_line(code, stdout, err, *words)
+    assert not out.exists()
 
 
 def test_eval_backend_vllm_without_vllm_is_one_error_line(files, tmp_path, capsys, monkeypatch):

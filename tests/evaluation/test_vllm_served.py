@@ -143,3 +143,29 @@ def test_vllm_serves_the_export_as_drafttrain_decodes_it(request, tmp_path, arch
     assert tau["vllm"] == pytest.approx(tau["drafttrain"], rel=0.02 if kind == "dflash" else 0.1), check
     if kind in ("draft", "dflash"):
         assert tau["vllm"] > 1.5  # a close or trained draft: the check compares real acceptance, not two 1.0s
+
+
+def test_vllm_under_load_keeps_every_output_and_its_acceptance(exports, tmp_path):
+    """`--concurrency 1,4`: every prompt once more with 4 requests in flight, for the target alone and
+    each served drafter; greedy outputs are plain decoding's at both concurrencies, and batching
+    does not change what a drafter's steps accept."""
+    out = tmp_path / "load"
+    assert main(["compare", "--target", str(exports / "target"), "--drafter", f"draft=draft:{exports}/draft@vllm",
+                 "--drafter", "ngram=ngram@vllm", "--prompts", str(exports / "p.jsonl"),
+                 "--max-new-tokens", str(MAX_NEW), "--num-draft-tokens", str(K), "--dtype", "float32",
+                 "--concurrency", "1,4", "--acceptance-window", "8", "--out", str(out), "--quiet"]) == 0
+    for name in ("draft", "ngram"):
+        report = json.loads((out / name / "report.json").read_text())
+        one, four = report["load"]
+        assert (one["concurrency"], four["concurrency"]) == (1, 4)
+        assert one["requests"] == four["requests"] == 4
+        assert four["output_tokens"] == one["output_tokens"] == report["overall"]["new_tokens"]
+        assert one["outputs_match_plain"] == four["outputs_match_plain"] == 1.0
+        assert four["tau"] == pytest.approx(one["tau"])
+        assert four["speedup"] is not None and four["baseline_tokens_per_s"] > 0
+        windows = report["by_window"]
+        assert sum(w["steps"] for w in windows) <= report["overall"]["target_forwards"]
+    draft = json.loads((out / "draft" / "report.json").read_text())
+    assert draft["by_window_prompts"] == 4  # a draft model drafts every step: its steps are in order
+    md = (out / "comparison.md").read_text()
+    assert "## Speedup under load (vLLM)" in md and "## tau by output window (8 tokens)" in md
