@@ -22,7 +22,7 @@ LAYERS = [
     {"kinds"},                                                                          # drafter kinds, the factory
     {"evaluation", "bench"},                                                            # eval, compare, bench
     {"data", "losses", "kinds.loss"},                                                   # answers, losses
-    {"training"},                                                                       # the loop, recipes
+    {"training", "parity"},                                                             # the loop, recipes; the side-by-side
     {"cli"},                                                                            # the command line
 ]
 KIND_MODELS = {"model", "export", "vocab", "calibrate", "layers"}  # a kind's files that sit with the models
