@@ -164,14 +164,14 @@ def write_speculators_data(out_dir, rows: Sequence[tuple[Sequence[int], Sequence
     if not examples:
         raise UserError("no training row has an answer token left; nothing to convert")
     examples.append(examples[0])  # the validation row (see the module docstring)
-    iterator = enumerate(examples)
-    if progress:
-        from tqdm.auto import tqdm
-        iterator = tqdm(iterator, total=len(examples), desc="target hidden states", unit="row")
-    for i, (ids, _mask) in iterator:
-        hs = target_hidden_states(target, ids, layer_ids).to(dtype).cpu().contiguous()
-        save_file({"hidden_states": hs, "token_ids": torch.tensor(ids, dtype=torch.long)},
-                  str(hs_dir / f"hs_{i}.safetensors"))
+    from tqdm.auto import tqdm
+
+    with tqdm(enumerate(examples), total=len(examples), desc="target hidden states", unit="row",
+              disable=not progress) as bar:
+        for i, (ids, _mask) in bar:
+            hs = target_hidden_states(target, ids, layer_ids).to(dtype).cpu().contiguous()
+            save_file({"hidden_states": hs, "token_ids": torch.tensor(ids, dtype=torch.long)},
+                      str(hs_dir / f"hs_{i}.safetensors"))
     data = datasets.Dataset.from_dict({
         "input_ids": [ids for ids, _ in examples],
         "loss_mask": [mask for _, mask in examples],

@@ -101,7 +101,7 @@ def comparison_rows(evaluations: list[Evaluation]) -> list[dict]:
                      "per_position_acceptance": o["per_position_acceptance"],
                      "mean_acceptance_length": o["mean_acceptance_length"],
                      "per_position_acceptance_when_proposed": o["per_position_acceptance_when_proposed"],
-                     "by_window": e.report["by_window"], "load": e.report.get("load"),
+                     "by_window": e.report.get("by_window") or [], "load": e.report.get("load"),
                      "stops_paying_at": stops_paying_at(e.report.get("load"))})
     return rows
 
@@ -264,7 +264,7 @@ def render_comparison(rows: list[dict], first: dict, figures: dict, checks: list
         lines += ["", "Served rows (backend vllm) run in vLLM's offline engine, one prompt at a time; their baseline "
                       "is vLLM's own plain decoding of the same prompts, their match column compares with it."]
     lines += served_section(checks)
-    lines += load_table(rows) + window_table(rows, cfg["acceptance_window"])
+    lines += load_table(rows) + window_table(rows, cfg.get("acceptance_window"))
     for name in figures:
         lines += ["", f"![{FIGURE_CAPTIONS[name]}]({name})"]
     lines += ["", "Each drafter's full report: `<drafter>/report.md`."]

@@ -88,22 +88,22 @@ def served_load(cfgs, decoders, served_base, prompts: list[list[int]], results: 
     plain = [r.baseline for r in rows] if with_base else None
     loads: dict[int, list[dict]] = {i: [] for i in served}
     runs = sum(c > 1 for c in first.concurrency) * (len(served) + with_base)
-    bar = tqdm(total=runs, desc="load", unit="run", disable=not progress or not runs)
-    for c in first.concurrency:
-        if c == 1:
-            base = LoadRun.one_at_a_time(plain, [r.baseline_seconds for r in rows]) if with_base else None
-            measured = {i: LoadRun.one_at_a_time([r.speculative for r in results[i]],
-                                                 [r.speculative_seconds for r in results[i]]) for i in served}
-        else:
-            base = LoadRun(*served_base.generate_concurrently(prompts, first.max_new_tokens, c)) if with_base else None
-            bar.update(with_base)
-            measured = {}
+    with tqdm(total=runs, desc="load", unit="run", disable=not progress or not runs) as bar:
+        for c in first.concurrency:
+            if c == 1:
+                base = LoadRun.one_at_a_time(plain, [r.baseline_seconds for r in rows]) if with_base else None
+                measured = {i: LoadRun.one_at_a_time([r.speculative for r in results[i]],
+                                                     [r.speculative_seconds for r in results[i]]) for i in served}
+            else:
+                base = (LoadRun(*served_base.generate_concurrently(prompts, first.max_new_tokens, c)) if with_base
+                        else None)
+                bar.update(with_base)
+                measured = {}
+                for i in served:
+                    measured[i] = LoadRun(*decoders[i].generate_concurrently(prompts, first.max_new_tokens, c))
+                    bar.update()
             for i in served:
-                measured[i] = LoadRun(*decoders[i].generate_concurrently(prompts, first.max_new_tokens, c))
-                bar.update()
-        for i in served:
-            loads[i].append(load_entry(c, measured[i], base, plain, first.greedy))
-    bar.close()
+                loads[i].append(load_entry(c, measured[i], base, plain, first.greedy))
     return [loads.get(i) for i in range(len(cfgs))]
 
 

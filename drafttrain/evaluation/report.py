@@ -255,7 +255,7 @@ def report_figures(report: dict) -> dict[str, object]:
     if overall["per_position_acceptance"]:
         series = {c: m["per_position_acceptance"] for c, m in categories_shown(report).items()}
         figures["per_position_acceptance.png"] = per_position_figure(series, f"Per-position acceptance: {name}", sub)
-    if report.get("by_window"):
+    if report.get("by_window") and overall["per_position_acceptance"]:  # plain decoding: tau 1 everywhere
         figures["tau_by_window.png"] = window_figure({name: report["by_window"]}, f"tau by output position: {name}",
                                                      sub)
     if report.get("load"):

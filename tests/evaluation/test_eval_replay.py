@@ -143,7 +143,7 @@ def test_replay_command_prints_tau_and_acceptance(report, capsys):
     code, out, err = cli(capsys, replay_argv(report, f"noisy={report / 'draft'}", f"self={report / 'target'}"))
     assert code == 0, err
     overall = json.loads((report / "report" / "report.json").read_text())["overall"]
-    lines = out.splitlines()
+    lines = [line for line in out.splitlines() if not line.startswith("  ")]  # each draft's line, its windows below
     assert lines[0].startswith(f"noisy: tau {overall['mean_accepted_length']:.3f}, "
                                f"acceptance {overall['acceptance_rate']:.3f} over 6 prompts (K={K}, max new tokens "
                                f"{MAX_NEW})")

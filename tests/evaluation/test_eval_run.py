@@ -519,6 +519,8 @@ def test_help_shows_every_default(command, capsys):
             assert "(required)" in " ".join((action.help or "").split())
         elif isinstance(action.default, bool):
             assert "(default: off)" in action.help
+        elif isinstance(action.default, list):  # a comma-separated flag (--concurrency 1,4,16) shows its list so
+            assert f"(default: {','.join(map(str, action.default))})" in text, action.dest
         elif action.default is not None:
             assert f"(default: {action.default})" in text, action.dest
     if command != "replay":
