@@ -176,6 +176,11 @@ def _old_report(env, name="old", report=True):
     return str(old)
 
 
+def _a_dir(env):
+    (env.tmp / "prompt-dir").mkdir()
+    return str(env.tmp / "prompt-dir")
+
+
 def _a_file(env):
     (env.tmp / "a-file").write_text("not a directory")
     return str(env.tmp / "a-file")
@@ -193,6 +198,9 @@ BAD_INPUT = {
                                     ["empty.jsonl", "empty"]),
     "prompt file not found": lambda e: (bad_argv(e, prompts=[str(e.tmp / "nope.jsonl")]),
                                         ["nope.jsonl", "not found"]),
+    # issue 40 (G): a directory was "prompt file not found", sending the user looking for a path that is there
+    "prompt file is a directory": lambda e: (bad_argv(e, prompts=[_a_dir(e)]),
+                                             ["prompt-dir", "is a directory", "--prompts"]),
     "invalid JSON": lambda e: (bad_argv(e, prompts=[p := _file(e, "bad.jsonl", [CODE[0], '{"prompt": "w5"'])]),
                                [f"{p}:2", "JSON"]),
     "no prompt field": lambda e: (bad_argv(e, prompts=[p := _file(e, "q.jsonl", [CODE[0], "", {"question": "w5"}])]),
