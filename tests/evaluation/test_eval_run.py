@@ -484,6 +484,26 @@ def test_static_engine_is_lossless_and_recorded(models, prompt_files, references
         assert report["overall"]["predicted"]["cost_ratio"] > 0
 
 
+def test_a_home_that_cannot_keep_compiled_steps_is_one_warning_and_the_cache_off(models, prompt_files, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """Issue 40 (F): DRAFTTRAIN_HOME pointing at a file ran silently and reported compile_cache "cold",
+    as if a next run would find what this one compiled; nothing could be cached there."""
+    home = tmp_path / "home"
+    home.write_text("a file, not a directory")
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(home))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored after the test, whatever eval sets
+    monkeypatch.delenv("DRAFTTRAIN_COMPILE_BACKEND", raising=False)
+    capsys.readouterr()
+    _, report, _ = run_ok(["eval", "--target", models["target"], "--method", "ngram", *prompts_argv(prompt_files),
+                           "--max-new-tokens", str(MAX_NEW), "--dtype", "float64", "--engine", "static",
+                           "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(home) in warnings[0] and "DRAFTTRAIN_HOME" in warnings[0], err
+    assert report["engine"]["compile_seconds"] > 0 and report["engine"]["compile_cache"] == "off"
+    assert home.read_text() == "a file, not a directory"
+
+
 def test_plain_decoding_without_baseline(models, prompt_files, references, tmp_path):
     out, report, rows = run_ok(["eval", "--target", models["target"], "--method", "none",
                                 *prompts_argv(prompt_files), "--max-new-tokens", str(MAX_NEW),
