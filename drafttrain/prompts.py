@@ -25,6 +25,8 @@ def read_prompt_file(path: str | Path, flag: str = "--prompts") -> list[PromptRe
     """The records of one prompt file; `flag` is the option that named it, so a missing file's
     error names the flag the user has to fix."""
     path = Path(path)
+    if path.is_dir():  # "not found" would send the user looking for a path that is there
+        raise UserError(f"{path}: is a directory, not a prompt file; pass a JSONL file to {flag}")
     if not path.is_file():
         raise UserError(f"{path}: prompt file not found; pass an existing JSONL file to {flag}")
     records = []

@@ -54,7 +54,7 @@ fi
 mkdir -p "$OUT"
 
 MODEL=$(drafttrain assets "$TARGET" | tail -1)
-drafttrain assets humaneval --out "$OUT/humaneval.jsonl" >/dev/null
+drafttrain assets humaneval --out "$OUT/humaneval.jsonl" --overwrite >/dev/null  # the demo's own file, written again
 [ -f "$DRAFTTRAIN_HOME/prompts/stdlib.jsonl" ] ||
   drafttrain assets stdlib --out "$DRAFTTRAIN_HOME/prompts/stdlib.jsonl" --num 2000 >/dev/null
 

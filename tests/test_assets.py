@@ -406,6 +406,34 @@ def test_a_write_that_fails_midway_is_one_error_line(tmp_path, capsys, monkeypat
     assert "No space left" in line and not (tmp_path / "p.jsonl").exists()
 
 
+# issue 40 (D, E): each of these was replaced whole, and the command said "wrote ... to FILE"
+EXISTING_OUT = {"a user's text": (["humaneval"], "my notes\nsecond line\n"),
+                "an empty file": (["humaneval"], ""),
+                "a file that is no JSONL": (["stdlib", "--num", "2"], "# not a prompt file\n"),
+                "an earlier prompt file": (["stdlib", "--num", "2"], '{"prompt": "mine"}\n')}
+
+
+@pytest.mark.parametrize("case", list(EXISTING_OUT))
+def test_an_existing_out_file_is_refused_without_overwrite(tmp_path, capsys, case):
+    command, content = EXISTING_OUT[case]
+    out = tmp_path / "notes.txt"
+    out.write_text(content)
+    line = cli_error(["assets", *command, "--out", str(out)], capsys)
+    assert line == f"error: --out {str(out)!r} already exists; pass --overwrite to replace it, or choose a new file path"
+    assert out.read_text() == content and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("command, rows", [(["humaneval"], 164), (["stdlib", "--num", "2"], 2)])
+def test_overwrite_replaces_an_existing_out_file(tmp_path, capsys, command, rows):
+    from drafttrain.cli import main
+
+    out = tmp_path / "p.jsonl"
+    out.write_text("earlier\n")
+    assert main(["assets", *command, "--out", str(out), "--overwrite"]) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == rows and all(json.loads(line)["prompt"] for line in lines)
+
+
 @pytest.mark.parametrize("num", ["0", "-5"])
 def test_stdlib_refuses_a_non_positive_num(tmp_path, capsys, num):
     """--num 0 wrote an empty file, --num -5 all but 5 of the prompts."""

@@ -103,7 +103,12 @@ def error(fn, *args) -> str:
 
 def test_missing_file(tmp_path):
     assert "not found" in error(read_prompt_file, tmp_path / "nope.jsonl")
-    assert "not found" in error(read_prompt_file, tmp_path)  # a directory is not a prompt file
+
+
+def test_a_directory_says_it_is_one(tmp_path):
+    """Issue 40 (G): "not found" sent the user looking for a path that is there."""
+    message = error(read_prompt_file, tmp_path, "--prompts")
+    assert message == f"{tmp_path}: is a directory, not a prompt file; pass a JSONL file to --prompts"
 
 
 @pytest.mark.parametrize("lines", [[], [""], ["", "  ", ""]])

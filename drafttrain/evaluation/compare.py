@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..kinds.registry import BY_NAME, flagged, methods
 from .config import BACKEND_CHOICES, EvalConfig, _or, drafter_fields, lookups, shared_settings
-from .outputs import prepare_output_dir, staged_output
+from .outputs import REPORT_MARKERS, prepare_output_dir, staged_output
 from .load import stops_paying_at
 from .report import (_fmt, bar_figure, load_figure, markdown_table, per_position_figure, save_figure, scatter_figure,
                      subtitle, window_figure, write_json, write_report)
@@ -24,6 +24,10 @@ FIGURE_CAPTIONS = {"tau.png": "tau by drafter", "per_position_acceptance.png": "
                    "tau_by_window.png": "tau by output position", "load_speedup.png": "speedup under load"}
 # Every name compare writes into --out beside the drafters' folders: a drafter may not take one.
 COMPARISON_FILES = ("comparison.md", "comparison.json", *FIGURE_CAPTIONS)
+# Nor a name that makes --out read as another report: the files drafttrain knows a report directory
+# by (`outputs.REPORT_MARKERS`: a folder `report.json` beside comparison.json) and those `replay`
+# reads from one (outputs.jsonl, with the report.json beside it).
+RESERVED_NAMES = tuple(dict.fromkeys((*COMPARISON_FILES, *REPORT_MARKERS, "report.md", "outputs.jsonl")))
 NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
 
 
@@ -59,17 +63,19 @@ def parse_drafter(arg: str) -> tuple[str, dict]:
 def check_drafter_name(name: str, arg: str) -> None:
     """NAME becomes the drafter's report folder in --out: checked before any decoding, so a name
     the file system refuses, or one that is also a file compare writes, cannot fail the run at
-    its very end. Compared without case, for case-insensitive file systems."""
+    its very end, and one a report is read by (`RESERVED_NAMES`) cannot make --out pass for
+    another report. Compared without case, for case-insensitive file systems."""
     if "/" in name or "\\" in name or "\0" in name or name.startswith("."):
         raise UserError(f"--drafter {arg!r}: NAME names the drafter's report folder, so it cannot contain '/', "
                         "'\\' or a NUL character, or start with '.'; choose another NAME")
     if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
         raise UserError(f"--drafter {arg[:40]!r}...: NAME names the drafter's report folder and is longer than "
                         f"{NAME_MAX} bytes; choose a shorter NAME")
-    clash = next((f for f in COMPARISON_FILES if f.casefold() == name.casefold()), None)
+    clash = next((f for f in RESERVED_NAMES if f.casefold() == name.casefold()), None)
     if clash:
-        raise UserError(f"--drafter {arg!r}: NAME names the drafter's report folder, but compare also writes "
-                        f"{clash} into --out; choose another NAME (not one of {', '.join(COMPARISON_FILES)})")
+        what = "compare also writes" if clash in COMPARISON_FILES else "drafttrain reads a report's"
+        raise UserError(f"--drafter {arg!r}: NAME names the drafter's report folder, but {what} {clash} in --out; "
+                        f"choose another NAME (not one of {', '.join(RESERVED_NAMES)})")
 
 
 def drafter_configs(base: EvalConfig, drafters: list[str]) -> list[EvalConfig]:

@@ -76,6 +76,11 @@ ENGINE_CHOICES = ENGINES  # --engine: auto, eager, static
 BACKEND_CHOICES = ("drafttrain", "vllm")
 PLAN_MAX_K = 6  # the deepest K that --num-draft-tokens auto considers (and calibration drafts)
 PLAN_MAX_NODES = 64  # the largest tree that --tree-nodes auto considers
+# The largest --tree-nodes: every node is one more token of each verifying forward, and the caches
+# preallocate room for a whole step (EAGLE-3's draft cache, the static engine's), so an unbounded
+# value (100000) was accepted, sized every cache for it and recorded, while the tree decoded was far
+# smaller. Four times the largest tree the planner weighs; EAGLE-2's own trees verify 60.
+TREE_MAX_NODES = 256
 PLAN_PROBE_TOKENS = 16  # tokens a plan decodes past a probe prompt to time steps (caches hold them too)
 
 
@@ -141,8 +146,8 @@ class EvalConfig:
         None, "Nodes verified per step, the pending token included: EAGLE-3's dynamic tree grows this many (unset: "
         "32); a static tree (Medusa heads', or --tree default/FILE) keeps its first N-1 paths best first (unset: "
         "all). auto: the size (and, for the dynamic tree, the top-k up to --tree-topk) that this machine's "
-        "measured costs and the drafter's acceptance on --calibration-prompts favour (drafttrain.planning).",
-        metavar="N|auto", at_least=2, parse=int_or_auto, auto=True)
+        "measured costs and the drafter's acceptance on --calibration-prompts favour (drafttrain.planning). "
+        f"At most {TREE_MAX_NODES}.", metavar="N|auto", at_least=2, at_most=TREE_MAX_NODES, parse=int_or_auto, auto=True)
     tree_topk: int = setting(DYNAMIC_TREE_TOPK, "EAGLE-3 dynamic tree: nodes expanded per depth, and children drafted per node.",
                              metavar="N", at_least=1)
     overwrite: bool = setting(False, "Replace an earlier report in --out whole (nothing of it remains).")

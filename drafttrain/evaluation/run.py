@@ -19,7 +19,7 @@ import torch
 from ..decoding import CachedLM
 from ..kinds.factory import build_decoder
 from ..kinds.registry import BY_NAME, flagged, target_alone
-from ..decoding.engines.compiled import capture_counts, compile_cache_state, compile_counts
+from ..decoding.engines.compiled import capture_counts, compile_cache_state, compile_counts, use_compile_cache
 from ..errors import UserError
 from ..models import context_length
 from ..prompts import encode_prompts, read_prompts, require_unique_ids
@@ -143,6 +143,8 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                              max_new_tokens=first.max_new_tokens, context_limit=context_length(loaded.target))
     calibration = calibration_prompts(first, loaded.tokenizer, context_length(loaded.target))
     engine_used = bind_engine(cfgs, models, prompts + calibration)
+    if "static" in {engine_used, *draft_engines(models)}:  # before anything compiles: a home that cannot
+        use_compile_cache(loaded.device)  # keep compiled steps is one warning, and the report's cache is "off"
     served = [cfg.backend == "vllm" for cfg in cfgs]
     if any(served):  # one set of vLLM engines for the run, sized as drafttrain's caches are
         max_len = models[0].target_lm.max_length or context_length(loaded.target) or 4096
@@ -201,7 +203,7 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     engine = {"requested": first.engine, "used": engine_used, "compile_seconds": compile_seconds,
               "compile_cache": compile_cache_state(compile_seconds, since=counts), "warmup_seconds": warmup_seconds,
               **capture_counts(loaded.device, since=counts)}
-    drafts = {m.drafter.model.engine for m in models if isinstance(m.drafter.model, CachedLM)}
+    drafts = draft_engines(models)
     if drafts - {engine_used}:
         engine["draft_engines"] = sorted(drafts)
     evaluations = [Evaluation(cfg, build_report(cfg, m, decoder, rs, prompts[0], engine, plan, load), rs)
@@ -209,6 +211,11 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
     if any(served):
         models[0].served.close()
     return evaluations
+
+
+def draft_engines(models: list[LoadedModels]) -> set[str]:
+    """The engines the run's draft models decode on (those that are cached LMs of their own)."""
+    return {m.drafter.model.engine for m in models if isinstance(m.drafter.model, CachedLM)}
 
 
 def run_eval(cfg: EvalConfig, progress: bool = True, decoder_factory: DecoderFactory | None = None) -> Evaluation:

@@ -27,9 +27,6 @@ that fails before the output directory is started leaves no trace; every failure
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +53,7 @@ from .acceptance import eval_prompts, served_row
 from .run_dir import RunDirectory
 from .sampler import check_enough_examples
 from .trainer import TrainResult, train
+from .worker import ctrl_c_raises, exit_with, say_interrupted, say_once
 
 TargetDtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 ExportDtype = Literal["float32", "bfloat16", "float16"]
@@ -364,37 +362,25 @@ class Recipe(Generic[C]):
 def recipe_main(recipe_class: type[Recipe], argv: list[str] | None = None) -> int:
     """A recipe script's `main`: parse `--config FILE [--overwrite] [key=value ...]`, run. A bad input,
     a load failure or an I/O error prints one `error:` line (exit 2); Ctrl-C one line (exit 130)."""
+    ctrl_c_raises()
     try:
         cfg, flags = parse_argv(recipe_class.config_class, argv, prog=recipe_class.script, flags=RECIPE_FLAGS)
         recipe_class(cfg, overwrite="--overwrite" in flags).run()
     except UserError as e:
-        _say(f"error: {e}")
+        say_once(f"error: {e}")
         return e.exit_code
     except BrokenPipeError:  # e.g. `--help | head`
         return 141
     except OSError as e:
-        _say(f"error: {first_line(e)}; fix the file system problem (space, permissions) and start the same "
-             "command again: the run resumes from its newest complete checkpoint")
+        say_once(f"error: {first_line(e)}; fix the file system problem (space, permissions) and start the same "
+                 "command again: the run resumes from its newest complete checkpoint")
         return 2
     except KeyboardInterrupt:
-        _say("interrupted; start the same command again to resume from the newest checkpoint")
+        say_interrupted()
         return 130
     finally:
         close_process_group()
     return 0
-
-
-def exit_with(code: int) -> None:
-    """A recipe script's exit: the run is over and its files written, so a Ctrl-C from here on (the
-    terminal's reaches every process of a launch) is ignored during interpreter shutdown rather
-    than a KeyboardInterrupt traceback from an atexit callback, and the exit code stays the run's."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.exit(code)
-
-
-def _say(line: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike; say it once
-        print(line, file=sys.stderr, flush=True)
 
 
 __all__ = ["ExportDtype", "RECIPE_FLAGS", "Recipe", "RecipeConfig", "RecipeEvalConfig", "TargetDtype", "exit_with",

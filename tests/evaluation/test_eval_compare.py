@@ -137,6 +137,13 @@ def test_compare_bad_inputs_are_one_error_line(models, tmp_path, capsys):
     ("comparison.json", ["comparison.json"]),
     ("Comparison.MD", ["comparison.md"]),  # a case-insensitive file system makes these one name
     ("speedup.png", ["speedup.png"]),
+    ("tau_by_window.png", ["tau_by_window.png"]),  # the newest figures are compare's files too
+    ("load_speedup.png", ["load_speedup.png"]),
+    # issue 40 (H): these made a folder that --out's readers take for a report (a report.json that is a folder)
+    ("report.json", ["report.json", "another NAME"]),
+    ("Bench.json", ["bench.json"]),
+    ("outputs.jsonl", ["outputs.jsonl"]),
+    ("report.md", ["report.md"]),
     ("a\\b", ["'\\'"]),
     ("x" * 256, ["255 bytes"]),
 ])

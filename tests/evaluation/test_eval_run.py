@@ -176,6 +176,11 @@ def _old_report(env, name="old", report=True):
     return str(old)
 
 
+def _a_dir(env):
+    (env.tmp / "prompt-dir").mkdir()
+    return str(env.tmp / "prompt-dir")
+
+
 def _a_file(env):
     (env.tmp / "a-file").write_text("not a directory")
     return str(env.tmp / "a-file")
@@ -193,6 +198,9 @@ BAD_INPUT = {
                                     ["empty.jsonl", "empty"]),
     "prompt file not found": lambda e: (bad_argv(e, prompts=[str(e.tmp / "nope.jsonl")]),
                                         ["nope.jsonl", "not found"]),
+    # issue 40 (G): a directory was "prompt file not found", sending the user looking for a path that is there
+    "prompt file is a directory": lambda e: (bad_argv(e, prompts=[_a_dir(e)]),
+                                             ["prompt-dir", "is a directory", "--prompts"]),
     "invalid JSON": lambda e: (bad_argv(e, prompts=[p := _file(e, "bad.jsonl", [CODE[0], '{"prompt": "w5"'])]),
                                [f"{p}:2", "JSON"]),
     "no prompt field": lambda e: (bad_argv(e, prompts=[p := _file(e, "q.jsonl", [CODE[0], "", {"question": "w5"}])]),
@@ -474,6 +482,26 @@ def test_static_engine_is_lossless_and_recorded(models, prompt_files, references
     assert report["engine"]["compile_seconds"] > 0.0
     if drafter[0] == "--draft":
         assert report["overall"]["predicted"]["cost_ratio"] > 0
+
+
+def test_a_home_that_cannot_keep_compiled_steps_is_one_warning_and_the_cache_off(models, prompt_files, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """Issue 40 (F): DRAFTTRAIN_HOME pointing at a file ran silently and reported compile_cache "cold",
+    as if a next run would find what this one compiled; nothing could be cached there."""
+    home = tmp_path / "home"
+    home.write_text("a file, not a directory")
+    monkeypatch.setenv("DRAFTTRAIN_HOME", str(home))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored after the test, whatever eval sets
+    monkeypatch.delenv("DRAFTTRAIN_COMPILE_BACKEND", raising=False)
+    capsys.readouterr()
+    _, report, _ = run_ok(["eval", "--target", models["target"], "--method", "ngram", *prompts_argv(prompt_files),
+                           "--max-new-tokens", str(MAX_NEW), "--dtype", "float64", "--engine", "static",
+                           "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(home) in warnings[0] and "DRAFTTRAIN_HOME" in warnings[0], err
+    assert report["engine"]["compile_seconds"] > 0 and report["engine"]["compile_cache"] == "off"
+    assert home.read_text() == "a file, not a directory"
 
 
 def test_plain_decoding_without_baseline(models, prompt_files, references, tmp_path):

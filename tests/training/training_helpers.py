@@ -44,11 +44,11 @@ def run_launched_recipe(accelerate_config: str, num_processes: int, args: list[s
                         recipe: Path = RECIPE) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ACCELERATE_CONFIGS / accelerate_config), "--num_processes", str(num_processes),
-           "--main_process_port", str(_free_port()), str(recipe), *args]
+           "--main_process_port", str(free_port()), str(recipe), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=timeout, cwd=REPO)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

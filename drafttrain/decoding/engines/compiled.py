@@ -17,7 +17,8 @@ Warming up runs a shape three times: CUDA graph trees warm up, record, then repl
 
 Compiled artifacts are kept on disk under `$DRAFTTRAIN_HOME/compile/<torch>/<device>` (inductor's
 FX graph and autotuning caches), so a second identical run on this machine skips code
-generation; `compile_cache_state` says whether a run's compiles were served from it. A graph's
+generation; `compile_cache_state` says whether a run's compiles were served from it (a home that
+cannot hold them is one warning, and the cache "off": `writable_cache_dir`). A graph's
 shapes include its KV cache's capacity, so every static cache's capacity is rounded up to
 `CAPACITY_MULTIPLE` (`static_capacity`): other prompts of about the same length need the same
 graphs, and a second run with another prompt set reads them from the cache too.
@@ -30,7 +31,11 @@ without generating code: what the CPU tests use to prove shapes are stable.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import sys
+import tempfile
 import time
 from typing import Callable, Iterable
 
@@ -92,8 +97,35 @@ def use_compile_cache(device) -> None:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(device)
+    ours = {os.path.abspath(default_cache_dir()), *_UNCACHED.values()}
+    if chosen is None or os.path.abspath(chosen) in ours:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = writable_cache_dir(compile_cache_dir(device))
+
+
+_UNCACHED: dict[str, str] = {}  # a cache directory that cannot be written -> the throwaway one used instead
+
+
+def writable_cache_dir(path: str) -> str:
+    """`path`, created, where it can be written. Where it cannot (DRAFTTRAIN_HOME a file, or read-only),
+    one warning naming it, and a temporary directory that no later run reads: inductor needs a place
+    to write the code it generates (on that path it failed outright), and the run's report says
+    the cache is off (`compile_cache_off`) rather than "cold" as if a next run would find it."""
+    from ...errors import UserError
+    from ...home import writable_home
+
+    try:
+        return str(writable_home(path))
+    except UserError as e:
+        if path not in _UNCACHED:
+            print(f"warning: compiled steps are not kept for the next run: {e}", file=sys.stderr, flush=True)
+            _UNCACHED[path] = tempfile.mkdtemp(prefix="drafttrain-compile-")
+            atexit.register(shutil.rmtree, _UNCACHED[path], ignore_errors=True)
+        return _UNCACHED[path]
+
+
+def compile_cache_off() -> bool:
+    """Whether compiled steps go to a throwaway directory (`writable_cache_dir`), not a cache."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") in _UNCACHED.values()
 
 
 def _counter(group: str, name: str) -> int:
@@ -117,10 +149,11 @@ def _since(since: dict[str, int] | None) -> dict[str, int]:
 
 
 def compile_cache_state(compile_seconds: float, since: dict[str, int] | None = None) -> str:
-    """"off" (nothing compiled), "warm" (every graph compiled since `since`, a `compile_counts`
-    snapshot, or in this process where None, came from the disk cache: hits, and no miss and no
-    bypass, in inductor's FX graph cache or AOTAutograd's) or "cold"."""
-    if compile_seconds <= 0 or os.environ.get(BACKEND_VARIABLE, "inductor") != "inductor":
+    """"off" (nothing compiled, or nowhere to keep it: `compile_cache_off`), "warm" (every graph
+    compiled since `since`, a `compile_counts` snapshot, or in this process where None, came from
+    the disk cache: hits, and no miss and no bypass, in inductor's FX graph cache or AOTAutograd's)
+    or "cold"."""
+    if compile_seconds <= 0 or os.environ.get(BACKEND_VARIABLE, "inductor") != "inductor" or compile_cache_off():
         return "off"
     counts = _since(since)
     return "warm" if counts["hit"] and not counts["miss"] and not counts["bypass"] else "cold"

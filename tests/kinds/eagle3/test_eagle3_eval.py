@@ -73,6 +73,20 @@ def test_compare_eagle3_beside_ngram(files, tmp_path):
     assert hybrid["config"]["ngram"] and hybrid["overall"]["tree"].endswith("+ n-gram chain (up to 4 nodes)")
 
 
+@pytest.mark.parametrize("nodes", ["257", "100000"])
+def test_tree_nodes_past_their_bound_are_one_error_line(files, tmp_path, capsys, nodes):
+    """Issue 40 (I): --tree-nodes 100000 was accepted, recorded as 100000 and sized the caches of
+    every step for it, while the tree decoded was far smaller. Bounded as other settings are."""
+    root, _ = files
+    capsys.readouterr()
+    assert main(["eval", "--target", str(root / "target"), "--eagle3", str(root / "eagle3"), "--prompts",
+                 str(root / "p.jsonl"), "--max-new-tokens", str(MAX_NEW), "--tree-nodes", nodes, "--out",
+                 str(tmp_path / "out"), "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"error: --tree-nodes must be in [2, 256], got {nodes}"], captured.err
+    assert captured.out == "" and not (tmp_path / "out").exists()
+
+
 def test_damaged_or_foreign_eagle3_is_one_error_line(files, tmp_path, capsys):
     root, _ = files
     broken = tmp_path / "broken"
