@@ -134,6 +134,17 @@ def _figure(width: float, height: float = 3.8):
     return Figure(figsize=(width, height))
 
 
+def finished(fig, ax, title: str, subtitle_text: str, legend: bool = False):
+    """Every line plot's last touches: a light grid, the legend, the title, the run's subtitle."""
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend()
+    ax.set_title(title)
+    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
+    fig.tight_layout()
+    return fig
+
+
 def per_position_figure(series: dict[str, list[float]], title: str, subtitle_text: str):
     """Fraction of verification steps that accepted draft position i, one line per series."""
     fig = _figure(6.4)
@@ -146,12 +157,7 @@ def per_position_figure(series: dict[str, list[float]], title: str, subtitle_tex
     ax.set_xlabel("draft position")
     ax.set_ylabel("fraction of steps accepted")
     ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title)
-    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
-    fig.tight_layout()
-    return fig
+    return finished(fig, ax, title, subtitle_text, legend=True)
 
 
 def bar_figure(values: dict[str, float | None], ylabel: str, title: str, subtitle_text: str,
@@ -185,11 +191,7 @@ def scatter_figure(points: dict[str, tuple[float, float]], title: str, subtitle_
     ax.set_xlabel("tau (mean accepted length)")
     ax.set_ylabel("measured speedup (×)")
     ax.margins(0.2)
-    ax.grid(alpha=0.3)
-    ax.set_title(title)
-    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
-    fig.tight_layout()
-    return fig
+    return finished(fig, ax, title, subtitle_text)
 
 
 def window_figure(series: dict[str, list[dict]], title: str, subtitle_text: str):
@@ -204,12 +206,7 @@ def window_figure(series: dict[str, list[dict]], title: str, subtitle_text: str)
     ax.set_xlabel("output position (tokens; each point a window's middle)")
     ax.set_ylabel("tau (tokens per target forward)")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title)
-    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
-    fig.tight_layout()
-    return fig
+    return finished(fig, ax, title, subtitle_text, legend=True)
 
 
 def load_figure(series: dict[str, list[dict]], title: str, subtitle_text: str):
@@ -226,12 +223,7 @@ def load_figure(series: dict[str, list[dict]], title: str, subtitle_text: str):
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax.set_xlabel("requests in flight (concurrency)")
     ax.set_ylabel("speedup (×) at that concurrency")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title)
-    fig.suptitle(subtitle_text, fontsize=8, y=0.995)
-    fig.tight_layout()
-    return fig
+    return finished(fig, ax, title, subtitle_text, legend=True)
 
 
 def save_figure(fig, path: Path) -> None:
