@@ -2,9 +2,11 @@
 target alone, interleaved and timed in one process, summed up as a report dict.
 
 The story: check the inputs (`check_inputs`), load the models (`loading`), bind them to their
-engines, plan each `auto` drafter's K from measured costs (`plan`), build every decoder with the one factory (`make_decoder` -> `decoding.build_decoder`),
-compile and warm up, decode each prompt with the target alone and then with each drafter, run the
-served ones again under load (`--concurrency`, `load`), and sum up (`summary.build_report`). Compile and warm-up time is reported on its own, never in tokens/s.
+engines, plan each `auto` drafter's K from measured costs (`plan`), build every decoder with the one
+factory (`make_decoder` -> `decoding.build_decoder`), compile and warm up, decode each prompt with the
+target alone and then with each drafter, run the served ones again under load (`--concurrency`,
+`load`), and sum up (`summary.build_report`). Compile and warm-up time is reported on its own, never
+in tokens/s.
 """
 
 from __future__ import annotations
