@@ -2,7 +2,8 @@
 takes every step the decode against the target takes. The reference is the real decode, on the
 real target (float64): the same tokens, the same accepted and proposed lengths, and for tree
 drafters the same recorded candidates and verdicts (`planning.TreeStep`), for every drafter kind
-that reads the target (EAGLE-3 trees and chains, Medusa heads, a draft LM) and a hybrid."""
+that reads the target (EAGLE-3 trees and chains, Medusa heads, DFlash blocks, a draft LM) and
+hybrids."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from drafttrain.kinds.base import Drafter
 from drafttrain.kinds.factory import build_decoder
 
 KINDS_TESTS = Path(__file__).resolve().parents[2] / "kinds"
-sys.path[:0] = [str(KINDS_TESTS / "eagle3"), str(KINDS_TESTS / "medusa")]
+sys.path[:0] = [str(KINDS_TESTS / "eagle3"), str(KINDS_TESTS / "medusa"), str(KINDS_TESTS / "dflash")]
+import dflash_helpers  # noqa: E402
 from eagle3_helpers import EOS, trained_pair  # noqa: E402
 from test_medusa_decoding import noisy_heads  # noqa: E402
 
@@ -32,6 +34,8 @@ CASES = {  # name -> (which target, drafter kind, settings)
     "eagle3 chain": ("eagle3", "eagle3", dict(num_draft_tokens=3, tree="chain")),
     "medusa tree": ("plain", "medusa", dict(num_draft_tokens=3, tree="default")),
     "draft LM chain": ("plain", "draft", dict(num_draft_tokens=3)),
+    "dflash block": ("dflash", "dflash", dict(num_draft_tokens=3)),
+    "dflash block + ngram": ("dflash", "dflash", dict(num_draft_tokens=3, hybrid="ngram")),
 }
 
 
@@ -39,11 +43,13 @@ CASES = {  # name -> (which target, drafter kind, settings)
 def pairs():
     eagle3_target, draft = trained_pair()
     target = tiny_lm(0)
-    return {"eagle3": (eagle3_target, draft), "plain": (target, None)}
+    dflash_target = dflash_helpers.tiny_target(seed=2)
+    return {"eagle3": (eagle3_target, draft), "plain": (target, None),
+            "dflash": (dflash_target, dflash_helpers.tiny_draft(dflash_target))}
 
 
 def drafter_of(kind, target, draft):
-    model = {"eagle3": draft, "medusa": noisy_heads(target, 3) if kind == "medusa" else None,
+    model = {"eagle3": draft, "dflash": draft, "medusa": noisy_heads(target, 3) if kind == "medusa" else None,
              "draft": noisy_copy(target, scale=0.6)}[kind]
     return Drafter(kind, model)
 
