@@ -286,8 +286,6 @@ def plan_drafter(plan: DrafterPlanning, probes: list[list[int]]) -> tuple[Plan, 
     costs, doubts = trusted_chain_costs(plan, probes, acceptance, max_k)
     chosen = fallback_plan() if doubts else plan_chain(acceptance.per_position, costs, acceptance.proposal_rates,
                                                        max_k, acceptance.extra_tokens, acceptance.by_k)
-    warn_noise(cfg, costs.warnings, plan.measurer.cached)
-    warn_untrusted(cfg, doubts)
     block = {"num_draft_tokens": chosen.num_draft_tokens, "tree_nodes": None, "tree_topk": None,
              "costs": {**costs.as_dict(), "context_lengths": [len(ids) for ids in probes], "rounds": COST_ROUNDS},
              "untrusted": doubts,
@@ -426,8 +424,6 @@ def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict
     chosen = fallback_plan() if doubts else None
     if chosen is None:
         chosen, costs = plan_tree_measured(table, costs, measure, curve.extend)
-    warn_noise(cfg, costs.warnings, plan.measurer.cached)
-    warn_untrusted(cfg, doubts)
     ranked = sorted(chosen.candidates, key=lambda c: -c.planned_speedup)
     block = {"num_draft_tokens": chosen.num_draft_tokens, "tree_nodes": chosen.tree_nodes,
              "tree_topk": chosen.tree_topk if dynamic else None,
@@ -542,6 +538,8 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: l
             bar.total = bar.n
             planning.measurer.doing(f"K = {plan.num_draft_tokens}" + (f", {plan.tree_nodes} nodes" if tree else "")
                                     + (" (from the plan cache)" if planning.measurer.cached else ""))
+        warn_noise(cfg, block["noise"], planning.measurer.cached)  # below its progress line, not inside it
+        warn_untrusted(cfg, block["untrusted"])
         planned.append(dataclasses.replace(cfg, num_draft_tokens=plan.num_draft_tokens,
                                            tree_nodes=plan.tree_nodes if tree else None,
                                            tree_topk=plan.tree_topk if tree and plan.tree_topk else cfg.tree_topk))
