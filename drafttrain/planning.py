@@ -466,8 +466,8 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
     return out
 
 
-__all__ = ["MEASURED_TREES", "NODE_BUDGETS", "Candidate", "Costs", "Plan", "TreeCosts", "TreeStep", "TreeTable",
-           "accepted_within", "best_plan", "beyond_verification", "enough_prompts", "expected_tokens", "fallback_plan",
-           "implausible", "interpolate", "noisy", "plan_chain", "plan_tree", "plan_tree_measured", "step_seconds",
-           "tokens_per_step", "tree_expected_tokens", "tree_node_limit", "tree_seconds", "tree_table", "walk_chain",
-           "walked_rates"]
+__all__ = ["CALIBRATION_TOLERANCE", "MEASURED_TREES", "MIN_CALIBRATION_PROMPTS", "NODE_BUDGETS", "Candidate", "Costs",
+           "Plan", "TreeCosts", "TreeStep", "TreeTable", "accepted_within", "best_plan", "beyond_verification",
+           "enough_prompts", "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain",
+           "plan_tree", "plan_tree_measured", "step_seconds", "tokens_per_step", "tree_expected_tokens",
+           "tree_node_limit", "tree_seconds", "tree_table", "walk_chain", "walked_rates"]
