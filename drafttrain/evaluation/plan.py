@@ -80,13 +80,15 @@ EXPECTED_TREE_STEPS = 6  # whole tree steps a plan's progress line expects to me
 @dataclasses.dataclass
 class DrafterPlanning:
     """What planning one drafter reads and writes: its settings and models, the run's shared
-    calibration, the cache's stores (the target's costs; the drafter's acceptance) and the drafter's
-    name in cost entries (`drafter`), and its `Measurer` (progress line, measurement times)."""
+    calibration, the cache's stores (the target's costs; the drafter's own costs, the same store
+    where its weights have a fingerprint, else one kept for this run only; its acceptance) and the
+    drafter's name in cost entries (`drafter`), and its `Measurer` (progress line, measurement times)."""
 
     cfg: EvalConfig
     models: LoadedModels
     calibration: Calibration | None
     costs: Store
+    own_costs: Store
     acceptance: Store
     drafter: str
     measurer: Measurer
@@ -226,7 +228,7 @@ def chain_drafter_rounds(plan: DrafterPlanning, probes: list[list[int]], accepta
 
     name = (f"chain drafter {plan.drafter}: 1 .. {max_k} at {[len(p) for p in probes]}, acceptance "
             f"{content_hash(acceptance.per_position)}")
-    return plan.measured(plan.costs, name, measure, f"{cfg.drafter_name}: drafting 1 .. {max_k}",
+    return plan.measured(plan.own_costs, name, measure, f"{cfg.drafter_name}: drafting 1 .. {max_k}",
                          units=COST_ROUNDS * len(probes), fresh=fresh)
 
 
@@ -417,7 +419,7 @@ def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict
     costs, doubts = trusted_tree_costs(plan, curve, ids)
 
     def measure(topk, depth, n):
-        return plan.measured(plan.costs, f"tree step {plan.drafter}: top-{topk}, K {depth}, {n} nodes at {len(ids)}",
+        return plan.measured(plan.own_costs, f"tree step {plan.drafter}: top-{topk}, K {depth}, {n} nodes at {len(ids)}",
                              lambda: tree_step_seconds(cfg, models, ids, depth, n, topk)[1],
                              f"a whole step of top-{topk}, K = {depth}, {n} nodes")
 
@@ -481,8 +483,8 @@ class PlanRun:
         self.cache = PlanCache(plans_home(), replan=cfg.replan)
         self.calibration_set = content_hash([p.ids for p in calibration])
         self.dtype, self.device = models.dtype_name, models.device
-        self.costs = self.cache.costs(costs_key(self.target, getattr(models.target_lm, "engine", "eager"), self.dtype,
-                                                self.device))
+        self.costs_key = costs_key(self.target, getattr(models.target_lm, "engine", "eager"), self.dtype, self.device)
+        self.costs = self.cache.costs(self.costs_key)
         store = self.cache.acceptance(acceptance_key(self.target, "the target alone", self.calibration_set,
                                                      {"max_new_tokens": cfg.max_new_tokens, "eos": sorted(models.eos)},
                                                      self.dtype, self.device))
@@ -492,7 +494,8 @@ class PlanRun:
         identity = drafter_key(cfg)
         store = self.cache.acceptance(acceptance_key(self.target, identity, self.calibration_set,
                                                      decode_settings_key(cfg), self.dtype, self.device))
-        return DrafterPlanning(cfg, models, self.calibration, self.costs, store, identity or cfg.drafter_name,
+        own = self.costs if identity else self.cache.costs({**self.costs_key, "drafter": None, "name": cfg.drafter_name})
+        return DrafterPlanning(cfg, models, self.calibration, self.costs, own, store, identity or cfg.drafter_name,
                                Measurer(self.started, bar))
 
 
