@@ -9,11 +9,14 @@ answers every forward from them. A planner's acceptance recordings do this (`eva
 EAGLE-3's plan on Gemma-3 (2 CPU cores) verified 64-node trees through the 270M target step after
 step, once per top-k weighed, and that was most of its 607 s.
 
-What a verified row gets: at position p (the cache's length plus the row's depth), if its path
-follows the sequence, the sequence's token at p + 1 as its argmax, and the target's hidden states
-at p. A row off the sequence gets the same (never read: its path was rejected above it, so neither
-it nor a child of it is accepted). Past the sequence's end the argmax is -1, which equals no token.
-Its logits carry their argmax only (`ArgmaxLogits`): greedy verdicts read nothing else, and a
+What a verified row gets: at position p (the cache's length plus the row's depth), the
+sequence's token at p + 1 as its argmax, and the target's hidden states at p. That is the
+target's own answer where the row's path follows the sequence; a row off the sequence is never
+accepted whatever its argmax (its path was rejected at the row that left the sequence, and so
+every row below it), so its answer is never read. Past the sequence's end (a step that accepted
+the EOS it ended with: the decode stops there) the argmax is the sequence's last token: any token
+would do, but it must be one, since the drafter is fed the step's bonus token before the loop
+stops. Its logits carry their argmax only (`ArgmaxLogits`): greedy verdicts read nothing else, and a
 262k-token vocabulary's rows would cost what the replay saves. Greedy only: sampling reads the
 target's distributions. The hidden states come from one forward over the whole sequence rather than
 step by step: equal up to rounding.
@@ -47,7 +50,7 @@ class TeacherForcedLM(CachedLM):
     def __init__(self, model, sequence: list[int], hidden: torch.Tensor | None = None, layers: tuple[int, ...] = ()):
         self.model = model
         self.device = next(model.parameters()).device
-        self.sequence = torch.tensor(list(sequence) + [-1], dtype=torch.long, device=self.device)  # -1: past the end
+        self.sequence = torch.tensor(list(sequence) + list(sequence[-1:]), dtype=torch.long, device=self.device)
         self.hidden, self.layers = hidden, tuple(layers)
         self.length = 0
 
@@ -58,16 +61,10 @@ class TeacherForcedLM(CachedLM):
         if tuple(hidden_layers) not in ((), self.layers):
             raise ValueError(f"a teacher-forced target built with layers {self.layers} was asked for {hidden_layers}")
         n = tokens.numel()
-        if tree is None:  # a chain (or a prefill): row i at position length + i, below row i - 1
-            depths = torch.arange(n, device=self.device)
-            ancestors = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        else:
-            depths, ancestors = tree.depths, tree.attention_mask
+        depths = torch.arange(n, device=self.device) if tree is None else tree.depths  # a chain, a prefill: in a row
         last = self.sequence.numel() - 1
         positions = (self.length + depths).clamp(max=last)
-        on = tokens.view(-1) == self.sequence[positions]  # a tree's root, the pending token, is the sequence's
-        follows = ~(ancestors & ~on[None, :]).any(dim=1)
-        argmax = torch.where(follows, self.sequence[(positions + 1).clamp(max=last)], -1)
+        argmax = self.sequence[(positions + 1).clamp(max=last)]
         self.length += n
         hidden = None
         if hidden_layers:

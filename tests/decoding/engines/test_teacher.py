@@ -97,3 +97,27 @@ def test_rows_off_the_sequence_are_never_accepted():
     assert lm.length == 6
     lm.compact(2, [0, 1])
     assert lm.length == 4
+
+
+def test_a_continuation_ended_by_eos_gives_a_token_past_its_end(pairs):
+    """A decode whose continuation ends with EOS accepts the EOS and is handed a bonus token past
+    the sequence: a real token (the drafter is fed it before the loop stops), and the decode against
+    the continuation still takes the target's own steps."""
+    target, draft = pairs["eagle3"]
+    drafter = Drafter("eagle3", draft)
+    settings = DecodeSettings(eos_token_ids=frozenset({EOS}), num_draft_tokens=4, tree="dynamic", tree_nodes=12,
+                              tree_topk=3)
+    layers = tuple(build_decoder(target, drafter, settings).hidden_layers)
+    ended = 0
+    for start in range(3, 40):
+        prompt = [start, start + 1, start + 2]
+        real, recorded = decode(target, drafter, settings, prompt)
+        if not real.tokens or real.tokens[-1] != EOS:
+            continue
+        ended += 1
+        again, rerecorded = decode(teacher_forced(target, prompt + real.tokens, layers), drafter, settings, prompt)
+        assert again.tokens == real.tokens and again.accepted_lengths == real.accepted_lengths
+    assert ended, "no prompt's continuation ended with EOS: pick others"
+    lm = TeacherForcedLM(target, [5, 9, EOS])
+    lm.length = 1
+    assert lm.forward(torch.tensor([9, EOS]))[0].argmax().tolist() == [EOS, EOS]
