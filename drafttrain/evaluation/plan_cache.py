@@ -90,7 +90,9 @@ def drafter_identity(kind: str, path: str | None, settings: dict) -> str | None:
 
 
 def now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    """The time, UTC, to the microsecond: a run that starts within the second another measured is
+    still told apart from it (`Measurer.cached`)."""
+    return datetime.datetime.now(datetime.timezone.utc)
 
 
 class Store:
@@ -220,8 +222,8 @@ class Measurer:
 
     @property
     def measured_at(self) -> str | None:
-        """When the oldest measurement the plan rests on was made (ISO 8601, UTC)."""
-        return min(self.times.values()).isoformat() if self.times else None
+        """When the oldest measurement the plan rests on was made (ISO 8601, UTC, to the second)."""
+        return min(self.times.values()).replace(microsecond=0).isoformat() if self.times else None
 
 
 def _values(value):
