@@ -22,16 +22,21 @@ of the target's each, so the plan is short or empty.
 Trees (Medusa heads, EAGLE-3) are planned the same way over (top-k, depth, nodes): a step's
 expected tokens are read off recorded steps of the largest tree (`TreeStep`: its candidates in
 the order a smaller budget keeps them, and the target's greedy continuation, which decides what
-any sub-tree would have accepted), and a step's cost is a measured whole step of each (top-k,
-depth), moved along the target's measured cost of verifying n tree nodes (`TreeCosts`); the tree
-a plan chooses is always priced by its own measured step (`plan_tree_measured`).
+any sub-tree would have accepted; `tree_table`), and a step's cost is measured whole, but only for
+the trees the decision needs (`plan_tree_measured`): a tree not measured is priced at the least it
+can cost (its verification, from the target's measured cost of verifying n tree nodes, plus what
+a measured tree no wider and no deeper spent beyond its own), the leader is measured, and when the
+leader is a measured tree no other can beat it. The tree a plan chooses is always priced by its
+own measured step.
 
 Acceptance must come from other prompts than the ones being timed (the drafter's recorded
-held-out acceptance, or a calibration file), or the plan would be fitted to the test.
+held-out acceptance, or a calibration file), or the plan would be fitted to the test; and from as
+many of them as its confidence needs (`enough_prompts`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -62,6 +67,7 @@ class Candidate:
     planned_speedup: float
     tree_nodes: int | None = None
     tree_topk: int | None = None
+    measured: bool | None = None  # a tree: priced by its own measured step (else an estimate); None: a chain
 
 
 @dataclass(frozen=True)
@@ -217,20 +223,22 @@ def tree_expected_tokens(steps: list[TreeStep], depth: int, nodes: int) -> float
 @dataclass(frozen=True)
 class TreeCosts:
     """Measured seconds for tree plans. `verify[i]`: one target forward of `sizes[i]` tree nodes
-    after a cached prefix; `steps[(topk, depth)]`: (nodes verified, seconds) of a whole decoding
-    step of that tree, measured; `plain`: a plain decoding step. A step of another node count is
-    the measured one moved along the verification curve: drafting depends on top-k and depth, not
-    on how many of the drafted nodes are kept."""
+    after a cached prefix (the sizes measured so far: the curve grows as a search needs it);
+    `plain`: a plain decoding step; `exact[(topk, depth, nodes)]`: a whole decoding step (draft,
+    verification, bookkeeping) of that tree, measured."""
 
     sizes: tuple[int, ...]
     verify: tuple[float, ...]
-    steps: dict[tuple[int, int], tuple[float, float]]
     plain: float
     warnings: tuple[str, ...] = field(default=())
-    exact: dict[tuple[int, int, int], float] = field(default_factory=dict)  # (top-k, depth, nodes): a whole step
+    exact: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+    def covers(self, nodes: float) -> bool:
+        """Whether the measured curve reaches a verification of `nodes` nodes."""
+        return nodes <= self.sizes[-1]
 
     def verify_seconds(self, nodes: float) -> float:
-        """The verification curve at `nodes`, linear between measured sizes."""
+        """The verification curve at `nodes`, linear between measured sizes (the last one beyond)."""
         nodes = min(max(nodes, self.sizes[0]), self.sizes[-1])
         i = next(i for i, n in enumerate(self.sizes) if n >= nodes)
         if self.sizes[i] == nodes or i == 0:
@@ -238,22 +246,21 @@ class TreeCosts:
         n0, n1 = self.sizes[i - 1], self.sizes[i]
         return self.verify[i - 1] + (self.verify[i] - self.verify[i - 1]) * (nodes - n0) / (n1 - n0)
 
-    def step_seconds(self, topk: int, depth: int, nodes: int, extra: float = 0.0) -> float:
-        if (topk, depth, nodes) in self.exact:  # measured whole at this very tree
-            return self.exact[(topk, depth, nodes)]
-        measured_nodes, seconds = self.steps[(topk, depth)]
-        return seconds + self.verify_seconds(nodes + extra) - self.verify_seconds(measured_nodes + extra)
+    def least_verify_seconds(self, nodes: float) -> float:
+        """The least a verification of `nodes` nodes can cost: the curve where it was measured,
+        beyond it `BEYOND_CURVE` of its largest measured size (a curve may dip that much by noise,
+        `noisy`'s own tolerance, but grows with the nodes)."""
+        return self.verify_seconds(nodes) if self.covers(nodes) else BEYOND_CURVE * self.verify[-1]
 
     def as_dict(self) -> dict:
+        measured = [{"tree_topk": k, "num_draft_tokens": d, "tree_nodes": n, "seconds": s}
+                    for (k, d, n), s in sorted(self.exact.items())]
         return {"verify_sizes": list(self.sizes), "verify_seconds": list(self.verify),
-                "step_seconds": [{"tree_topk": k, "num_draft_tokens": d, "tree_nodes": n, "seconds": s}
-                                 for (k, d), (n, s) in sorted(self.steps.items())],
-                "exact_step_seconds": [{"tree_topk": k, "num_draft_tokens": d, "tree_nodes": n, "seconds": s}
-                                       for (k, d, n), s in sorted(self.exact.items())],
-                "plain_step_seconds": self.plain}
+                "step_seconds": measured, "exact_step_seconds": measured, "plain_step_seconds": self.plain}
 
 
 NODE_BUDGETS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+BEYOND_CURVE = 0.8  # a verification of more nodes than measured costs at least this much of the largest measured one
 
 
 def tree_node_limit(topk: int, depth: int) -> int:
@@ -268,52 +275,144 @@ def lookup_share(steps: list[TreeStep], depth: int) -> float:
     return sum(min(len(s.lookup), depth) for s in steps) / recorded if recorded else 0.0
 
 
-def plan_tree(steps: dict[int, list[TreeStep]], costs: TreeCosts, depths: list[int], nodes: list[int],
-              extra_tokens: dict[int, float] | None = None, node_limit=tree_node_limit,
-              measured_only: bool = False) -> Plan:
-    """The (top-k, depth, nodes) with the most expected tokens per second, or the target alone.
-    `steps[topk]`: the recorded steps of the largest tree of that top-k; `depths`, `nodes`: the
-    settings to weigh (node budgets beyond what `node_limit(topk, depth)` can fill are cut to it:
-    EAGLE-2's expansion, or a static tree's nodes that deep); `extra_tokens[topk]`: a hybrid's
-    n-gram nodes per step beside the deepest tree, cut to each depth (`lookup_share`). Charged at
-    the deepest tree's count, a depth-1 step of Gemma-3's hybrid was priced below a plain step
-    (planned 1.82x, measured 1.28x). `measured_only`: weigh only trees in `costs.exact`."""
-    candidates = [Candidate(0, 1.0, 1.0)]
+TreeTable = dict[tuple[int, int, int], tuple[float, float]]  # (top-k, depth, nodes) -> (tokens a step, extra nodes)
+
+
+def tree_table(steps: dict[int, list[TreeStep]], depths: list[int], nodes: list[int],
+               extra_tokens: dict[int, float] | None = None, node_limit=tree_node_limit,
+               depth_capped: bool = False) -> TreeTable:
+    """Every tree a plan weighs, (top-k, depth, nodes), with its expected tokens a step and a
+    hybrid's n-gram nodes verified beside it, read off the recorded steps of the largest tree of
+    each top-k (`steps[topk]`). Node budgets beyond what `node_limit(topk, depth)` can fill are cut
+    to it (EAGLE-2's expansion, or a static tree's nodes that deep); `extra_tokens[topk]`: a hybrid's
+    n-gram nodes per step beside the deepest tree, cut to each depth (`lookup_share`: charged at the
+    deepest tree's count, a depth-1 step of Gemma-3's hybrid was priced below a plain step, planned
+    1.82x, measured 1.28x). `depth_capped`: a tree of n nodes is at most n - 1 deep (EAGLE-2's dynamic
+    tree without a lookup), so a deeper setting of it is the same tree, weighed once (at n - 1 deep,
+    where that depth is weighed)."""
+    table = {}
     for topk, recorded in sorted(steps.items()):
         for depth in depths:
-            if (topk, depth) not in costs.steps:
-                continue
             extra = (extra_tokens or {}).get(topk, 0.0) * lookup_share(recorded, depth)
             for n in sorted({min(n, node_limit(topk, depth)) for n in nodes}):
-                if measured_only and (topk, depth, n) not in costs.exact:
+                if depth_capped and depth > n - 1 and n - 1 in depths:
                     continue
-                e = tree_expected_tokens(recorded, depth, n)
-                seconds = costs.step_seconds(topk, depth, n, extra)
-                candidates.append(Candidate(depth, e, e * costs.plain / seconds, n, topk))
+                table[(topk, depth, n)] = (tree_expected_tokens(recorded, depth, n), extra)
+    return table
+
+
+def beyond_verification(table: TreeTable, costs: TreeCosts, topk: int, depth: int, nodes: int) -> float:
+    """The least a step of this tree spends beyond its verification: a plain step's loop (sampling,
+    bookkeeping, the sync), or what any measured tree no wider, no deeper and no smaller spent.
+    Drafting more levels of more nodes costs no less; and the verification curve (one tree shape
+    per size) prices a small tree's verification no dearer than its own step finds it, relative to
+    a larger tree's (Gemma-3 on 2 cores: a 4-node tree verified 12 ms above its curve, a 37-node one
+    5 ms below), so a larger tree's spend bounds a smaller one's and not the other way round."""
+    least = max(0.0, costs.plain - costs.verify[0])
+    for (k, d, n), seconds in costs.exact.items():
+        if k <= topk and d <= depth and n >= nodes:
+            least = max(least, seconds - costs.verify_seconds(n + extra_nodes(table, k, d)))
+    return least
+
+
+def extra_nodes(table: TreeTable, topk: int, depth: int) -> float:
+    """A hybrid's n-gram nodes a step beside a tree of this top-k and depth (`tree_table`: they
+    depend on the depth, not on the tree's nodes); 0 for a tree the table does not hold."""
+    return next((extra for (k, d, _), (_, extra) in table.items() if (k, d) == (topk, depth)), 0.0)
+
+
+def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
+    """A tree's step seconds, and whether they are its own measured step; else the least it can
+    cost, never above the truth: its verification (the curve at its nodes and a hybrid's n-gram
+    nodes) plus `beyond_verification`."""
+    if key in costs.exact:
+        return costs.exact[key], True
+    topk, depth, nodes = key
+    verify = costs.least_verify_seconds(nodes + table[key][1])
+    return verify + beyond_verification(table, costs, topk, depth, nodes), False
+
+
+def plan_tree(table: TreeTable, costs: TreeCosts, measured_only: bool = False) -> Plan:
+    """The (top-k, depth, nodes) of `table` with the most expected tokens per second, or the target
+    alone, each tree priced by `tree_seconds` (`measured_only`: only trees measured whole). A tree
+    not measured is planned at the most it could reach."""
+    candidates = [Candidate(0, 1.0, 1.0, measured=True)]
+    for key, (expected, _) in sorted(table.items()):
+        seconds, measured = tree_seconds(table, costs, key)
+        if measured_only and not measured:
+            continue
+        topk, depth, nodes = key
+        candidates.append(Candidate(depth, expected, expected * costs.plain / seconds, nodes, topk, measured=measured))
     return best_plan(candidates)
 
 
-MEASURED_TREES = 6  # trees a plan measures whole, at most, before it settles on the best of them
+MEASURED_TREES = 12  # trees a plan measures whole, at most, before it settles on the best of them
+TIE = 0.03  # a tree within this much of the best measured one is not measured: repeated step timings spread as much
 
 
-def plan_tree_measured(steps: dict[int, list[TreeStep]], costs: TreeCosts, depths: list[int], nodes: list[int],
-                       measure, extra_tokens: dict[int, float] | None = None, node_limit=tree_node_limit,
-                       limit: int = MEASURED_TREES) -> Plan:
-    """`plan_tree` whose chosen tree is priced by its own measured step, never by the curve alone.
-    A step of a small tree, priced as the deepest tree's measured step moved down the verification
-    curve, is the difference of two large measured times, and on a lumpy curve it can be far off
-    (Gemma-3 on 2 cores: a 4-node tree planned 1.83x, measured 1.17x). So the leader is measured
-    whole (`measure(topk, depth, nodes)` -> seconds, into `costs.exact`) and the plan made again,
-    until the leader is a measured tree; after `limit` measurements, the best measured tree (or the
-    target alone). Where the curve's estimates are no dearer than the measured steps, this is the
-    plan that full measurement of every tree would give."""
-    for _ in range(limit):
-        plan = plan_tree(steps, costs, depths, nodes, extra_tokens, node_limit)
+def plan_tree_measured(table: TreeTable, costs: TreeCosts, measure, extend=None, limit: int = MEASURED_TREES,
+                       tie: float = TIE) -> tuple[Plan, TreeCosts]:
+    """The plan that measuring every tree whole would give, measuring only what the decision needs,
+    and the costs it measured (branch and bound). Each tree is priced as `tree_seconds` knows it:
+    its own measured step, else the least it can cost. While the leader is not a measured tree, it
+    is measured whole (`measure(topk, depth, nodes)` -> seconds, into `costs.exact`), or, where it
+    verifies more nodes than the curve reaches, the curve is measured further (`extend(costs)` ->
+    wider costs, None when there is no more to measure), and the plan made again. A tree not
+    measured never costs less than its price, so when the leader is a measured tree no other can
+    beat it: that is the plan. Cut short (before it has measured the
+    leader): after `limit` measurements, or when the leader's price is within `tie` of the best
+    measured tree's (the noise of a step timing could not tell them apart), the best measured tree.
+    A small tree priced from the deepest tree's measured step moved down the curve was off by
+    half on Gemma-3's lumpy curve (a 4-node tree planned 1.83x, measured 1.17x): a chosen tree is
+    always priced by its own measured step."""
+    measured = 0
+    while True:
+        plan = plan_tree(table, costs)
         key = (plan.tree_topk, plan.num_draft_tokens, plan.tree_nodes)
         if plan.num_draft_tokens == 0 or key in costs.exact:
-            return plan
+            return plan, costs
+        if extend is not None and not costs.covers(plan.tree_nodes + table[key][1]):
+            wider = extend(costs)
+            if wider is not None:
+                costs = wider
+                continue
+        settled = plan_tree(table, costs, measured_only=True)
+        if measured >= limit or plan.planned_speedup <= settled.planned_speedup * (1 + tie):
+            return dataclasses.replace(settled, candidates=plan.candidates), costs  # every tree weighed, for the report
         costs.exact[key] = measure(*key)
-    return plan_tree(steps, costs, depths, nodes, extra_tokens, node_limit, measured_only=True)
+        measured += 1
+
+
+# ---------------------------------------------------------------------------------- calibration
+
+CONFIDENCE_Z = 1.96  # a 95% confidence interval
+CALIBRATION_TOLERANCE = 0.075  # its half-width, relative: half of the 15% a plan is to come within of its measurement
+MIN_CALIBRATION_PROMPTS = 3
+
+
+def tokens_per_step(per_prompt: list[tuple[float, int]]) -> tuple[float, float]:
+    """(tokens a step, the half-width of its 95% confidence interval) over calibration prompts
+    that emitted `tokens` in `steps` each: a ratio of sums, the prompts as the sampled units (the
+    steps of one prompt are not independent: copying comes in spans, a hard prompt is hard
+    throughout), its variance by the delta method. Fewer than 2 prompts: an infinite half-width."""
+    tokens, steps = sum(t for t, _ in per_prompt), sum(s for _, s in per_prompt)
+    ratio = tokens / steps if steps else 1.0
+    n = len(per_prompt)
+    if n < 2 or not steps:
+        return ratio, math.inf
+    variance = sum((t - ratio * s) ** 2 for t, s in per_prompt) / ((n - 1) * n * (steps / n) ** 2)
+    return ratio, CONFIDENCE_Z * math.sqrt(variance)
+
+
+def enough_prompts(per_prompt: list[tuple[float, int]], tolerance: float = CALIBRATION_TOLERANCE,
+                   minimum: int = MIN_CALIBRATION_PROMPTS) -> bool:
+    """Whether calibration may stop: at least `minimum` prompts, and tokens a step known to within
+    `tolerance` of itself (`tokens_per_step`). A drafter whose acceptance varies little from prompt
+    to prompt stops early; n-gram lookup, whose copying varies the most, reads its whole budget."""
+    if len(per_prompt) < minimum:
+        return False
+    ratio, half_width = tokens_per_step(per_prompt)
+    return half_width <= tolerance * ratio
 
 
 OVERHEAD_LIMIT = 10.0  # a step's overhead beyond its forwards, in target forwards of one token, at most
@@ -367,7 +466,8 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
     return out
 
 
-__all__ = ["MEASURED_TREES", "NODE_BUDGETS", "Candidate", "Costs", "Plan", "TreeCosts", "TreeStep", "accepted_within",
-           "best_plan", "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain",
-           "plan_tree", "plan_tree_measured", "step_seconds", "tree_expected_tokens",
-           "tree_node_limit", "walk_chain", "walked_rates"]
+__all__ = ["CALIBRATION_TOLERANCE", "MEASURED_TREES", "MIN_CALIBRATION_PROMPTS", "NODE_BUDGETS", "Candidate", "Costs",
+           "Plan", "TreeCosts", "TreeStep", "TreeTable", "accepted_within", "best_plan", "beyond_verification",
+           "enough_prompts", "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain",
+           "plan_tree", "plan_tree_measured", "step_seconds", "tokens_per_step", "tree_expected_tokens",
+           "tree_node_limit", "tree_seconds", "tree_table", "walk_chain", "walked_rates"]

@@ -2,15 +2,18 @@
 the same acceptance and cost model picks the same K and the same speedup; for trees, every
 smaller tree built and verified by the decoder's own greedy verdict, and a brute-force search."""
 
+import dataclasses
+import math
 import random
 
 import pytest
 import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
-from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, expected_tokens, lookup_share, noisy,
-                                 plan_chain, plan_tree, plan_tree_measured, step_seconds, tree_expected_tokens,
-                                 tree_node_limit, walk_chain, walked_rates)
+from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, enough_prompts, expected_tokens,
+                                 lookup_share, noisy, plan_chain, plan_tree, plan_tree_measured, step_seconds,
+                                 tokens_per_step, tree_expected_tokens, tree_node_limit, tree_seconds, tree_table,
+                                 walk_chain, walked_rates)
 from drafttrain.trees import tree_from_parents
 
 
@@ -168,52 +171,19 @@ def test_what_a_smaller_tree_accepts_is_what_the_decoder_verifies():
                 assert accepted_within(step, depth, nodes) == verified_length(step, depth, nodes), (step, depth, nodes)
 
 
-def test_the_tree_plan_is_the_best_setting_of_a_brute_force_search():
-    """Every (top-k, depth, nodes) decoded step by step on the recorded steps with the decoder's
-    own verdict, and charged its cost; the planner picks the fastest, and plain decoding when no
-    tree pays."""
-    rng = random.Random(1)
-    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
-    depths, budgets = [1, 2, 3, 4], [2, 4, 8, 16]
-    sizes = (1, 2, 4, 8, 16, 24)
-    for verify, draft in (((1.0, 1.02, 1.05, 1.1, 1.2, 1.3), 0.05), ((1.0, 1.4, 2.0, 3.2, 6.0, 9.0), 0.3),
-                          ((1.0, 3.0, 5.0, 9.0, 17.0, 25.0), 0.9)):
-        costs = TreeCosts(sizes, verify, {(k, d): (16, 1.0 + draft * d + TreeCosts(sizes, verify, {}, 1.0)
-                                                   .verify_seconds(16) - 1.0) for k in steps for d in depths}, 1.0)
-        plan = plan_tree(steps, costs, depths, budgets)
-        best = (1.0, 0, None, None)
-        for k, recorded in steps.items():
-            for d in depths:
-                for n in budgets:
-                    n = min(n, tree_node_limit(k, d))
-                    tokens = sum(1 + verified_length(s, d, n) for s in recorded)
-                    seconds = len(recorded) * (1.0 + draft * d + costs.verify_seconds(n) - 1.0)
-                    speed = (tokens / seconds) / 1.0
-                    if speed > best[0] + 1e-9:
-                        best = (speed, d, n, k)
-        assert plan.planned_speedup == pytest.approx(best[0])
-        assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk) == best[1:]
-    assert plan.num_draft_tokens == 0  # verification as dear as on a busy CPU: the target alone
+SIZES = (1, 2, 4, 8, 16, 24)
 
 
-def measured_tree_setup(rng_seed=1):
-    """Recorded steps, settings, the curve's costs (the 16-node step moved along a smooth curve) and
-    the machine's true step costs, dearer below 5 nodes (a lumpy curve's narrow kernels)."""
-    rng = random.Random(rng_seed)
-    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
-    depths, budgets, sizes = [1, 2, 3, 4], [2, 4, 8, 16], (1, 2, 4, 8, 16, 24)
-    verify, draft = (1.0, 1.02, 1.05, 1.6, 2.4, 3.2), 0.05
-    curve = TreeCosts(sizes, verify, {}, 1.0)
-    costs = TreeCosts(sizes, verify, {(k, d): (16, draft * d + curve.verify_seconds(16)) for k in steps for d in depths},
-                      1.0)
-
-    def true_seconds(k, d, n):
-        return draft * d + curve.verify_seconds(n) + (0.5 if n <= 4 else 0.0)
-    return steps, depths, budgets, costs, true_seconds
+def true_costs(verify, draft, dearer_small=0.0):
+    """A machine's whole tree steps: drafting `draft` a level, the verification curve `verify` at
+    SIZES, and `dearer_small` more below 5 nodes (a lumpy curve's narrow kernels)."""
+    curve = TreeCosts(SIZES, verify, 1.0)
+    return lambda k, d, n: 1.0 + draft * d + curve.verify_seconds(n) - 1.0 + (dearer_small if n <= 4 else 0.0)
 
 
 def fastest_tree(steps, depths, budgets, seconds):
-    """(speedup, depth, nodes, top-k) of the fastest tree under `seconds(k, d, n)`, or the target alone."""
+    """(speedup, depth, nodes, top-k) of the fastest tree under `seconds(k, d, n)`, decoded step by
+    step with the decoder's own verdict, or the target alone."""
     best = (1.0, 0, None, None)
     for k, recorded in steps.items():
         for d in depths:
@@ -225,36 +195,124 @@ def fastest_tree(steps, depths, budgets, seconds):
     return best
 
 
-def test_a_tree_plan_is_priced_by_its_own_measured_step():
-    """Small trees cost more than the curve says (Gemma-3 on 2 cores: a 4-node tree planned 1.83x,
-    measured 1.17x): the planner measures its leader whole until the leader is a measured tree, and
-    then plans what a search over every tree's true cost plans, at that cost."""
-    steps, depths, budgets, costs, true_seconds = measured_tree_setup()
-    by_curve = plan_tree(steps, costs, depths, budgets)
-    truth = fastest_tree(steps, depths, budgets, true_seconds)
-    k, d, n = by_curve.tree_topk, by_curve.num_draft_tokens, by_curve.tree_nodes
-    its_truth = tree_expected_tokens(steps[k], d, n) / true_seconds(k, d, n)
-    assert n <= 4 and by_curve.planned_speedup > its_truth * 1.15 and its_truth < truth[0]  # the curve alone misplans
+def searched(steps, depths, budgets, seconds, verify, limit=100, tie=0.0, sizes=SIZES):
+    """`plan_tree_measured` on the recorded steps with the true step costs as its measurements and
+    the curve `verify` at `sizes`: (plan, the trees it measured)."""
     measured = []
 
     def measure(k, d, n):
         measured.append((k, d, n))
-        return true_seconds(k, d, n)
+        return seconds(k, d, n)
 
-    plan = plan_tree_measured(steps, costs, depths, budgets, measure, limit=50)
+    costs = TreeCosts(tuple(sizes), tuple(verify), 1.0)
+    plan, _ = plan_tree_measured(tree_table(steps, depths, budgets), costs, measure, limit=limit, tie=tie)
+    return plan, measured
+
+
+def test_the_tree_plan_is_the_best_setting_of_a_brute_force_search():
+    """Every (top-k, depth, nodes) decoded step by step on the recorded steps with the decoder's
+    own verdict, and charged its true cost; the planner, measuring only the trees its bounds could
+    not rule out, picks the fastest (and plain decoding when no tree pays) at its true speedup."""
+    rng = random.Random(1)
+    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
+    depths, budgets = [1, 2, 3, 4], [2, 4, 8, 16]
+    trees = len(tree_table(steps, depths, budgets))
+    for verify, draft in (((1.0, 1.02, 1.05, 1.1, 1.2, 1.3), 0.05), ((1.0, 1.4, 2.0, 3.2, 6.0, 9.0), 0.3),
+                          ((1.0, 3.0, 5.0, 9.0, 17.0, 25.0), 0.9)):
+        seconds = true_costs(verify, draft)
+        plan, measured = searched(steps, depths, budgets, seconds, verify)
+        best = fastest_tree(steps, depths, budgets, seconds)
+        assert plan.planned_speedup == pytest.approx(best[0])
+        assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk) == best[1:]
+        assert len(measured) == len(set(measured)) < trees  # what the decision needed, not every tree
+    assert plan.num_draft_tokens == 0 and measured == []  # verification as dear as on a busy CPU: no tree measured
+
+
+def test_a_tree_plan_is_priced_by_its_own_measured_step():
+    """Small trees cost more than the curve says (Gemma-3 on 2 cores: a 4-node tree planned 1.83x,
+    measured 1.17x): the leader is measured whole until the leader is a measured tree, and the plan
+    is what a search over every tree's true cost plans, at that cost."""
+    rng = random.Random(1)
+    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
+    depths, budgets = [1, 2, 3, 4], [2, 4, 8, 16]
+    verify = (1.0, 1.02, 1.05, 1.6, 2.4, 3.2)
+    seconds = true_costs(verify, 0.05, dearer_small=0.5)
+    by_curve = plan_tree(tree_table(steps, depths, budgets), TreeCosts(SIZES, verify, 1.0))
+    truth = fastest_tree(steps, depths, budgets, seconds)
+    assert by_curve.tree_nodes <= 4 and by_curve.planned_speedup > 1.15 * truth[0]  # the curve alone misplans
+    plan, measured = searched(steps, depths, budgets, seconds, verify)
     assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk) == truth[1:]
     assert plan.planned_speedup == pytest.approx(truth[0])
-    assert 1 < len(measured) == len(set(measured)) and (plan.tree_topk, plan.num_draft_tokens, plan.tree_nodes) in measured
+    assert (plan.tree_topk, plan.num_draft_tokens, plan.tree_nodes) in measured and len(measured) > 1
+    chosen = next(c for c in plan.candidates if (c.num_draft_tokens, c.tree_nodes, c.tree_topk) == truth[1:])
+    assert chosen.measured
 
 
 def test_after_its_measurement_limit_the_plan_is_the_best_measured_tree():
-    steps, depths, budgets, costs, true_seconds = measured_tree_setup()
-    plan = plan_tree_measured(steps, costs, depths, budgets, true_seconds, limit=1)
-    assert len(costs.exact) == 1
-    (k, d, n), seconds = next(iter(costs.exact.items()))
-    only = fastest_tree({k: steps[k]}, [d], [n], lambda *_: seconds)
+    rng = random.Random(1)
+    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
+    verify = (1.0, 1.02, 1.05, 1.6, 2.4, 3.2)
+    seconds = true_costs(verify, 0.05, dearer_small=0.5)
+    plan, measured = searched(steps, [1, 2, 3, 4], [2, 4, 8, 16], seconds, verify, limit=1)
+    assert len(measured) == 1
+    k, d, n = measured[0]
+    only = fastest_tree({k: steps[k]}, [d], [n], seconds)
     assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk, plan.planned_speedup) == \
         ((only[1], only[2], only[3], pytest.approx(only[0])) if only[1] else (0, None, None, 1.0))
+
+
+def test_a_leader_within_the_tie_of_a_measured_tree_is_not_measured():
+    """Step timings spread by a few percent: a tree whose bound beats the best measured tree by
+    less than `tie` could not be told from it, so the search settles on the measured one."""
+    rng = random.Random(1)
+    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
+    verify = (1.0, 1.02, 1.05, 1.1, 1.2, 1.3)
+    seconds = true_costs(verify, 0.05)
+    exact, every = searched(steps, [1, 2, 3, 4], [2, 4, 8, 16], seconds, verify)
+    tied, fewer = searched(steps, [1, 2, 3, 4], [2, 4, 8, 16], seconds, verify, tie=0.5)
+    assert len(fewer) < len(every) and all(c.measured for c in tied.candidates
+                                           if (c.num_draft_tokens, c.tree_nodes, c.tree_topk) ==
+                                           (tied.num_draft_tokens, tied.tree_nodes, tied.tree_topk))
+    assert tied.planned_speedup * 1.5 >= exact.planned_speedup
+
+
+def test_the_curve_is_measured_as_far_as_a_leader_needs():
+    """A verification curve measured a size at a time, further only while a leader verifies more
+    nodes than it reaches: on dear verification (a CPU's) the large trees are ruled out before the
+    curve reaches them, on cheap verification (a GPU's) it is measured to its end; either way the
+    plan is the full curve's."""
+    rng = random.Random(1)
+    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
+    depths, budgets, sizes = [1, 2, 3, 4], [2, 4, 8, 16, 32, 64], (1, 2, 4, 8, 16, 32, 64)
+    reached = {}
+    for machine, verify, draft in (("cpu", (1.0, 1.4, 2.0, 3.2, 6.0, 11.0, 21.0), 0.3),
+                                   ("gpu", (1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06), 0.01)):
+        curve = TreeCosts(sizes, verify, 1.0)
+        seconds = lambda k, d, n: draft * d + curve.verify_seconds(n)  # noqa: E731
+        full, _ = searched(steps, depths, budgets, seconds, verify, sizes=sizes)
+
+        def extend(costs):
+            reach = len(costs.sizes) + 1
+            return None if reach > len(sizes) else TreeCosts(sizes[:reach], verify[:reach], costs.plain,
+                                                            exact=costs.exact)
+
+        plan, costs = plan_tree_measured(tree_table(steps, depths, budgets), TreeCosts(sizes[:2], verify[:2], 1.0),
+                                         seconds, extend, limit=100, tie=0.0)
+        assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk) == \
+            (full.num_draft_tokens, full.tree_nodes, full.tree_topk)
+        reached[machine] = costs.sizes[-1]
+    assert reached["cpu"] < reached["gpu"] == 64
+
+
+def test_a_deeper_setting_of_a_capped_tree_is_weighed_once():
+    """EAGLE-2's tree of n nodes is at most n - 1 deep: (k, 3, 2) is (k, 1, 2), the same tree at
+    the same tokens a step, so the table keeps the shallow one only."""
+    rng = random.Random(2)
+    steps = {4: [dataclasses.replace(random_step(rng, size=40), lookup=()) for _ in range(30)]}  # no hybrid
+    full = tree_table(steps, [1, 2, 3], [2, 3, 8])
+    capped = tree_table(steps, [1, 2, 3], [2, 3, 8], depth_capped=True)
+    assert set(full) - set(capped) == {(4, 2, 2), (4, 3, 2), (4, 3, 3)}
+    assert full[(4, 3, 2)] == full[(4, 1, 2)] and full[(4, 3, 3)] == full[(4, 2, 3)]
 
 
 def test_a_hybrid_step_accepts_the_longer_of_its_tree_and_its_ngram_chain():
@@ -274,21 +332,68 @@ def test_a_hybrids_ngram_nodes_are_charged_cut_to_each_depth():
     here), not from 7 to 6 (dear), which priced Gemma-3's depth-1 hybrid step below a plain step
     (planned 1.82x, measured 1.28x)."""
     step = TreeStep(tokens=(5, 6), parents=(-1, -1), depths=(1, 1), continuation=(5, 9, 9, 9, 1), lookup=(5, 9, 9, 9))
-    costs = TreeCosts((1, 2, 3, 4, 5, 6, 7), (1.0, 1.0, 2.0, 2.0, 3.0, 5.0, 7.0), {(2, 1): (3, 2.5)}, 1.0)
-    plan = plan_tree({2: [step]}, costs, [1], [2], extra_tokens={2: 4.0})
+    costs = TreeCosts((1, 2, 3, 4, 5, 6, 7), (1.0, 1.0, 2.0, 2.0, 3.0, 5.0, 7.0), 1.0, exact={(2, 1, 3): 2.5})
+    table = tree_table({2: [step]}, [1], [2], extra_tokens={2: 4.0})
+    plan = plan_tree(table, costs)
     depth1 = next(c for c in plan.candidates if c.num_draft_tokens == 1)
-    assert depth1.tree_nodes == 2
+    assert depth1.tree_nodes == 2 and table[(2, 1, 2)][1] == pytest.approx(1.0)
     assert depth1.planned_speedup == pytest.approx(tree_expected_tokens([step], 1, 2) * 1.0 / 2.5)
     assert plan.num_draft_tokens == 0  # 2 tokens a step for 2.5 plain steps: the target alone wins
     assert lookup_share([step], 1) == pytest.approx(0.25) and lookup_share([step], 4) == 1.0
 
 
 def test_a_tree_step_between_measured_sizes_is_interpolated():
-    costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), {(4, 2): (8, 3.0)}, 1.0)
+    costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), 1.0, exact={(4, 2, 8): 3.0})
+    table = {(4, 2, 4): (2.0, 0.0), (4, 2, 8): (2.5, 0.0)}
     assert costs.verify_seconds(3) == pytest.approx(1.4)
-    assert costs.verify_seconds(100) == pytest.approx(2.4)
-    assert costs.step_seconds(4, 2, 4) == pytest.approx(3.0 - 0.8)
-    assert costs.step_seconds(4, 2, 4, extra=1.0) == pytest.approx(3.0 + (1.6 + 0.2) - 2.4)
+    assert costs.verify_seconds(100) == pytest.approx(2.4) and costs.least_verify_seconds(100) == pytest.approx(1.92)
+    assert tree_seconds(table, costs, (4, 2, 8)) == (3.0, True)
+    assert tree_seconds(table, costs, (4, 2, 4)) == (pytest.approx(1.6 + (3.0 - 2.4)), False)
+    hybrid = {(4, 2, 4): (2.0, 1.0), (4, 2, 8): (2.5, 1.0)}  # a node of n-gram lookup beside either
+    assert tree_seconds(hybrid, costs, (4, 2, 4))[0] == pytest.approx(1.8 + (3.0 - 2.4))
+
+
+def test_a_bound_is_the_verification_and_the_least_a_cheaper_tree_spent_beyond_it():
+    """Unmeasured: its verification plus the plain step's loop, or more, what a measured tree no
+    wider, no deeper and no smaller spent beyond its own verification. A narrower tree's spend is
+    no bound for a wider one, nor a smaller tree's for a larger one (the curve underprices small
+    trees' verification: their spend beyond it looks larger than a large tree's)."""
+    costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), 1.1, exact={(2, 2, 4): 2.6})
+    table = {(k, d, n): (2.0, 0.0) for k in (1, 2, 4) for d in (1, 2, 3) for n in (2, 4, 8)}
+    assert tree_seconds(table, costs, (4, 3, 4)) == (pytest.approx(1.6 + 1.0), False)  # spent 2.6 - 1.6 beyond
+    assert tree_seconds(table, costs, (4, 3, 2)) == (pytest.approx(1.2 + 1.0), False)
+    assert tree_seconds(table, costs, (4, 3, 8)) == (pytest.approx(2.4 + 0.1), False)  # only the loop's 0.1
+    assert tree_seconds(table, costs, (1, 3, 4)) == (pytest.approx(1.6 + 0.1), False)
+    assert tree_seconds(table, costs, (2, 1, 4)) == (pytest.approx(1.6 + 0.1), False)
+
+
+# ------------------------------------------------------------------------- calibration's size
+
+
+def test_the_interval_covers_tokens_a_step_as_often_as_it_says():
+    """Prompts whose own tokens a step spread from 1.2 to 2.8 around 2.0, each of 20 to 60 steps:
+    over 2000 calibration sets of 12 prompts, the 95% interval of `tokens_per_step` covers the
+    population's 2.0 about 95% of the time (the delta method's normal interval, counted)."""
+    rng = random.Random(0)
+    covered, sets = 0, 2000
+    for _ in range(sets):
+        prompts = []
+        for _ in range(12):
+            steps = rng.randint(20, 60)
+            prompts.append(((2.0 + rng.uniform(-0.8, 0.8)) * steps, steps))
+        ratio, half_width = tokens_per_step(prompts)
+        covered += abs(ratio - 2.0) <= half_width
+    assert 0.91 <= covered / sets <= 0.98
+
+
+def test_calibration_stops_once_the_interval_is_tight_and_not_before():
+    """A model drafter's acceptance, about the same on every prompt, is known after the minimum
+    of prompts; n-gram lookup's copying (tau 1.02 to 3.31 per prompt on HumanEval) is not."""
+    steady = [(81.0, 40), (79.0, 40), (80.5, 40), (80.0, 40)]
+    assert not enough_prompts(steady[:2]) and enough_prompts(steady[:3])
+    bursty = [(41.0, 40), (132.0, 40), (60.0, 40), (110.0, 40), (45.0, 40), (90.0, 40)]
+    assert not enough_prompts(bursty * 4) and enough_prompts(bursty * 40)  # 24 prompts, and 240
+    assert tokens_per_step([(10.0, 5)]) == (2.0, math.inf)
 
 
 # ------------------------------------------------------------------ chains walked at every K

@@ -108,6 +108,10 @@ class EvalConfig:
         None, "With --num-draft-tokens auto or --tree-nodes auto: a JSONL prompt file (not the evaluated prompts) "
         "whose first prompts measure the drafter's acceptance; without it, the acceptance its export recorded "
         "(drafttrain.json; draft models only, trees always need this file).", metavar="FILE")
+    replan: bool = setting(False, "With --num-draft-tokens auto or --tree-nodes auto: measure the plan's costs and "
+                           "acceptance afresh rather than read what an earlier run on this machine, target and "
+                           "calibration file kept under $DRAFTTRAIN_HOME/plans (drafttrain.evaluation.plan_cache), "
+                           "and keep the new measurements there.")
     temperature: float = setting(0.0, "Sampling temperature; 0 is greedy decoding.", at_least=0)
     top_p: float = setting(1.0, "Nucleus sampling: keep the smallest set of tokens with this much probability.",
                            above=0, at_most=1)
@@ -163,6 +167,9 @@ class EvalConfig:
         if self.calibration_prompts and not self.planned:
             raise UserError("--calibration-prompts measures acceptance for --num-draft-tokens auto or --tree-nodes "
                             "auto; add one, or leave --calibration-prompts out")
+        if self.replan and not self.planned:
+            raise UserError("--replan measures a plan afresh for --num-draft-tokens auto or --tree-nodes auto; add "
+                            "one, or leave --replan out")
         if self.tree not in TREE_CHOICES:
             read_tree_file(self.tree)
         kind = BY_NAME[self.drafter_kind]

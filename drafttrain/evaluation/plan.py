@@ -1,18 +1,37 @@
 """`--num-draft-tokens auto`, `--tree-nodes auto`: each drafter's K (and tree) chosen from this
 machine's measured costs and the drafter's acceptance on OTHER prompts (`drafttrain.planning`
-holds the model and the search).
+holds the model and the search; `evaluation.calibration` measures acceptance; `evaluation.plan_cache`
+keeps what was measured).
 
 The story, per drafter, before anything is timed. A chain drafter (draft models, parallel drafts,
 n-gram, EAGLE-3 chains, Medusa heads when sampling): find its per-position acceptance (the
-held-out acceptance its export recorded in `drafttrain.json`, else a decode of
-`--calibration-prompts` at the deepest K), measure the target's forward of 1 .. K+1 tokens and
-the drafter's step on the run's engines (interleaved repeats, medians), measure the decode
-loop's own overhead per step, and plan. A tree drafter (Medusa heads and EAGLE-3 when greedy):
-decode the calibration prompts with the largest tree of each top-k weighed, recording every
-step's candidates (what any smaller tree would have accepted is read off them), measure the
-target's verification of n tree nodes and whole steps of each (top-k, depth), and plan. A cost
-curve that looks like a busy machine is one `warning:` line and a note in the report: a plan
-made from noise is said to be one.
+held-out acceptance its export recorded in `drafttrain.json`, else `--calibration-prompts` at the
+deepest K), measure the target's forward of 1 .. K+1 tokens and the decode loop's own overhead per
+step, and the drafter's step, on the run's engines (interleaved repeats, medians), and plan. A tree
+drafter (Medusa heads and EAGLE-3 when greedy): record the calibration prompts' steps with the
+largest tree of each top-k weighed, every step's candidates kept (what any smaller tree would have
+accepted is read off them), measure the target's verification of n tree nodes and a plain step,
+and search the trees, measuring whole steps as the decision needs them. A cost curve that looks
+like a busy machine is one `warning:` line and a note in the report: a plan made from noise is
+said to be one. Each drafter's plan is one progress line: what is measured now, and the time left.
+
+What is not measured, and why that is safe (the issue's Gemma-3 demo: 20 of its 32 minutes were
+plans, EAGLE-3's 607 s and its hybrid's 479 s):
+- Nothing twice. The target's costs (a verification curve by hidden layers and sizes, a plain step,
+  the loop's overhead) are measured once per run and shared by every drafter verifying the same way
+  (n-gram and suffix lookup; EAGLE-3 and EAGLE-3 + n-gram), and kept with all the rest under
+  `$DRAFTTRAIN_HOME/plans` (`plan_cache`): a second identical run measures nothing. `--replan`
+  measures afresh. The drafter's share of a chain step is measured in rounds of its own.
+- Acceptance: see `evaluation.calibration` (the target's continuations decoded once; model drafters
+  replayed against them instead of verified by the target; prompts read until the confidence
+  interval is tight).
+- Trees: no whole step of every (top-k, depth) at the largest tree (24 of them for EAGLE-3, each
+  verifying 64 nodes); a tree's step is measured only when, priced at the least it can cost, it
+  leads (`planning.plan_tree_measured`: the plan measuring every tree would give, unless a leader
+  is within 3% of a measured tree, which no timing could tell apart). The verification curve is
+  measured as far as a leader's nodes need (`CURVE_CHUNK` sizes at a time past 8): on a CPU the
+  large trees are ruled out before it reaches them. A whole step is timed over two short decodes,
+  the first two steps left out as warm-up, where three decodes ran before (each a prefill).
 
 Everything timed is warmed up first as the run will be: a whole step through its decoder's own
 `warmup()`, a forward through the engine's with the sizes AND the hidden layers the decoder
@@ -25,146 +44,57 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
 from statistics import fmean, median
 
 from ..decoding import DecodeSettings, as_cached_lm
-from ..kinds.factory import build_decoder
-from ..kinds.registry import BY_NAME, target_alone, trained_drafter
-from ..kinds.factory import tree_choice
 from ..errors import UserError
-from ..export import RECORD
+from ..kinds.factory import build_decoder, tree_choice
+from ..kinds.registry import BY_NAME, target_alone, trained_drafter
 from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, fallback_plan, implausible, noisy, plan_chain,
-                        plan_tree_measured, tree_node_limit, walk_chain, walked_rates)
-from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
+                        plan_tree_measured)
+from ..prompts import EncodedPrompt
+from ..trees import TREE_CHOICES
+from .calibration import (CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS, Acceptance, Calibration,
+                          calibration_prompts, check_calibration, drafter_acceptance, tree_acceptance, verified_layers)
 from .config import PLAN_MAX_K, PLAN_MAX_NODES, PLAN_PROBE_TOKENS, EvalConfig
 from .costs import forward_curve
 from .loading import LoadedModels
+from .plan_cache import (Measurer, PlanCache, Store, acceptance_key, content_hash, costs_key, drafter_identity, now,
+                         plans_home)
+from .report import weights_fingerprint
 
-CALIBRATION_PROMPTS = 8  # prompts of --calibration-prompts decoded per drafter
-# n-gram lookup reads three times as many: copying varies from prompt to prompt far more than a
-# model's acceptance does (walked tau at K=3 on SmolLM2's HumanEval answers: 1.02 to 3.31 per
-# prompt; 1.47 over prompts 13-20, 1.58 over 13-36, 1.84 over the first 12), and its calibration
-# is one greedy decode at lookup speed, with no draft model to run.
-LOOKUP_CALIBRATION_PROMPTS = 24
 TOPK_CHOICES = (1, 2, 4, 8)  # EAGLE-2 top-k weighed by --tree-nodes auto, up to --tree-topk
 STEP_PROBE_TOKENS = PLAN_PROBE_TOKENS  # tokens decoded on the probe prompt to time a tree's steps
+WARM_STEPS = 2  # a whole step's first timed steps left out (caches, allocator)
 COST_ROUNDS = 3  # interleaved rounds of every chain cost, at every probe
 ROUND_REPEATS = 3  # timed repeats of each cost per round
 COST_ATTEMPTS = 2  # measurements of impossible costs (`planning.implausible`) before a plan falls back
 PROBE_BUCKETS = 3  # prompt-length buckets whose mid-decode costs a plan averages
+CURVE_CHUNK = 3  # node budgets a tree plan's verification curve grows by, past 8 nodes
+EXPECTED_TREE_STEPS = 6  # whole tree steps a plan's progress line expects to measure
 
 
-@dataclasses.dataclass(frozen=True)
-class Acceptance:
-    """Per-position acceptance a_1 .. a_K and how often each position was proposed at all."""
+@dataclasses.dataclass
+class DrafterPlanning:
+    """What planning one drafter reads and writes: its settings and models, the run's shared
+    calibration, the cache's stores (the target's costs; the drafter's own costs, the same store
+    where its weights have a fingerprint, else one kept for this run only; its acceptance) and the
+    drafter's name in cost entries (`drafter`), and its `Measurer` (progress line, measurement times)."""
 
-    per_position: list[float]
-    proposal_rates: list[float] | None
-    source: str
-    extra_tokens: float = 0.0  # a hybrid's n-gram nodes per step beside the model's K drafts
-    by_k: dict[int, tuple[list[float], list[float]]] | None = None  # measured at each K (`planning.walk_chain`)
+    cfg: EvalConfig
+    models: LoadedModels
+    calibration: Calibration | None
+    costs: Store
+    own_costs: Store
+    acceptance: Store
+    drafter: str
+    measurer: Measurer
 
-
-def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
-    """The held-out chain acceptance an export recorded (`drafttrain.json`: draft LMs, EAGLE-3
-    drafts, Medusa heads), if there is one."""
-    export = cfg.drafter_path
-    path = Path(export) / RECORD if export else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        held_out = json.loads(path.read_text())["held_out"]
-        per_position = [float(a) for a in held_out["per_position_acceptance"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path} is damaged ({type(e).__name__}: {e}); re-export the draft, or plan from "
-                        "--calibration-prompts FILE") from None
-    return Acceptance(per_position, None, f"held-out acceptance recorded at export ({path})")
-
-
-def read_calibration(cfg: EvalConfig) -> list[PromptRecord]:
-    """The first `LOOKUP_CALIBRATION_PROMPTS` records of --calibration-prompts (none without it): all
-    that any drafter's plan reads."""
-    if not cfg.calibration_prompts:
-        return []
-    return read_prompts([cfg.calibration_prompts], LOOKUP_CALIBRATION_PROMPTS, flag="--calibration-prompts")
-
-
-def check_calibration(cfg: EvalConfig, evaluated: list[PromptRecord]) -> None:
-    """Calibration prompts must be other prompts than the evaluated ones (SPEC §7). Compared by what
-    they send, not by path: a copy of the evaluated file under another name, or a file that shares
-    some prompts with it, would fit the plan to the test as surely as the file itself."""
-    tested = {prompt_content(r): r for r in evaluated}
-    read = read_calibration(cfg)
-    shared = [r for r in read if prompt_content(r) in tested]
-    if shared:
-        raise UserError(f"{len(shared)} of the {len(read)} prompts read from --calibration-prompts {cfg.calibration_prompts} are "
-                        f"also in an evaluated prompt file ({shared[0].source} is {tested[prompt_content(shared[0])].source}); "
-                        "a plan fitted to the evaluated prompts is no plan: give other prompts")
-
-
-def calibration_prompts(cfg: EvalConfig, tokenizer, context_limit: int | None) -> list[EncodedPrompt]:
-    """The calibration records (`read_calibration`), encoded before the engines are sized, so they
-    fit the caches; model drafters decode the first `CALIBRATION_PROMPTS` of them."""
-    return encode_prompts(read_calibration(cfg), tokenizer, max_new_tokens=cfg.max_new_tokens,
-                          context_limit=context_limit)
-
-
-def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedPrompt]) -> Acceptance:
-    """Decode the calibration prompts with K = PLAN_MAX_K and count, per position, how often it was
-    accepted and how often proposed."""
-    settings = dataclasses.replace(cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes),
-                                   eos_token_ids=frozenset(models.eos))
-    decoder = build_decoder(models.target_lm or models.target, models.drafter, settings)
-    accepted, proposed, continuations = [], [], []
-    for p in prompts:
-        gen = decoder.generate(p.ids, cfg.max_new_tokens)
-        accepted += gen.accepted_lengths
-        proposed += gen.proposed_lengths
-        continuations.append(gen.tokens)
-    steps = max(1, len(accepted))
-    hybrid = getattr(getattr(decoder, "drafter", None), "lookup_nodes", None)
-    return Acceptance([sum(a >= j for a in accepted) / steps for j in range(1, PLAN_MAX_K + 1)],
-                      None if cfg.hybrid else [sum(m >= j for m in proposed) / steps for j in range(1, PLAN_MAX_K + 1)],
-                      f"{len(prompts)} calibration prompts from {cfg.calibration_prompts}",
-                      hybrid / steps if hybrid is not None else 0.0,
-                      walked_lookup(cfg, prompts, continuations) if walks(cfg) else None)
-
-
-def walks(cfg: EvalConfig) -> bool:
-    """A greedy lookup (its proposal a function of the text so far): its acceptance at every K is
-    walked over the calibration outputs."""
-    return BY_NAME[cfg.drafter_kind].planned_from_walks and cfg.greedy
-
-
-def walked_lookup(cfg: EvalConfig, prompts: list[EncodedPrompt], continuations: list[list[int]]) -> dict:
-    """A lookup's acceptance and proposal rates at every K = 1 .. PLAN_MAX_K, walked exactly over
-    the calibration prompts' greedy continuations (`planning.walk_chain`): copying is bursty, so
-    the deepest K's per-position acceptance misjudges a smaller K's."""
-    new_lookup = BY_NAME[cfg.drafter_kind].lookup
-    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes)
-    by_k = {}
-    for k in range(1, PLAN_MAX_K + 1):
-        steps = []
-        for p, c in zip(prompts, continuations):
-            lookup = new_lookup(settings)
-            lookup.reset(p.ids)
-            steps += walk_chain(p.ids, c, lambda sequence, n: lookup.lookup(n, sequence), k, cfg.max_new_tokens)
-        by_k[k] = walked_rates(steps, k)
-    return by_k
-
-
-def drafter_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: list[EncodedPrompt]) -> Acceptance:
-    if cfg.calibration_prompts:
-        return calibrated_acceptance(cfg, models, calibration if walks(cfg) else calibration[:CALIBRATION_PROMPTS])
-    recorded = None if cfg.hybrid else recorded_acceptance(cfg)  # a hybrid's own acceptance is not recorded
-    if recorded is None:
-        raise UserError(f"--num-draft-tokens auto needs {cfg.drafter_name}'s acceptance on other prompts than the "
-                        f"evaluated ones, and it has none recorded ({RECORD}); pass --calibration-prompts FILE")
-    return recorded
+    def measured(self, store: Store, name: str, measure, what: str, **kwargs):
+        return self.measurer.measured(store, name, measure, what, **kwargs)
 
 
 def cost_probes(prompts: list[EncodedPrompt], max_new_tokens: int) -> list[list[int]]:
@@ -234,52 +164,95 @@ def draft_forwards(cfg: EvalConfig, models: LoadedModels, acceptance: Acceptance
     return kind.draft_forwards(models.drafter, max_k, acceptance.per_position)
 
 
-def verified_layers(cfg: EvalConfig, models: LoadedModels, settings: DecodeSettings) -> tuple[int, ...]:
-    """The target hidden layers this drafter's decoder verifies with (`Decoder.hidden_layers`:
-    EAGLE-3's aux layers, Medusa's last; none for the rest): its verification is that graph, not
-    the plain forward's, so its costs are timed with them."""
-    return tuple(build_decoder(models.target_lm or models.target, models.drafter, settings).hidden_layers)
-
-
-def chain_round(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance, max_k: int):
-    """One round of a chain plan's costs at the end of `ids`: the target's forwards of 1 .. n tokens
-    (timings by size), the drafter's share of a step drafting 0 .. max_k, its noise, and a plain
-    step's overhead beyond its forward. The forwards of 2 .. n tokens are the decoder's
-    verifications, with its drafter's hidden layers; one token is what K = 0 runs, the target
-    alone, which reads none (so a plain step costs verify[0] plus the overhead, as measured)."""
+def target_round(cfg: EvalConfig, models: LoadedModels, ids: list[int], layers: tuple[int, ...],
+                 sizes: int) -> tuple[list[list[float]], float]:
+    """One round of a chain plan's target costs at the end of `ids`: its forwards of 1 .. `sizes`
+    tokens (timings by size) and a plain step's overhead beyond its forward. The forwards of 2 ..
+    n tokens are the decoder's verifications, with its drafter's hidden `layers`; one token is what
+    K = 0 runs, the target alone, which reads none (so a plain step costs verify[0] plus the
+    overhead, as measured)."""
     target_lm = models.target_lm or as_cached_lm(models.target)
-    layers = verified_layers(cfg, models, cfg.decode_settings(k=max_k, nodes=cfg.max_tree_nodes))
-    verify = forward_curve(target_lm, ids, max_k + 1 + (max_k if cfg.hybrid else 0), repeats=ROUND_REPEATS,
-                           hidden_layers=layers)
+    verify = forward_curve(target_lm, ids, sizes, repeats=ROUND_REPEATS, hidden_layers=layers)
     if layers:  # K = 0 decodes with the target alone: a plain one-token forward
         verify[0] = forward_curve(target_lm, ids, [1], repeats=ROUND_REPEATS)[0]
-    draft, noise = drafter_seconds(cfg, models, ids, acceptance, max_k)
-    return verify, draft, noise, loop_overhead(models, ids, median(verify[0]))
+    return verify, loop_overhead(models, ids, median(verify[0]))
 
 
-def measure_chain_costs(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]], acceptance: Acceptance,
-                        max_k: int) -> Costs:
-    """Every chain cost at every probe, in `COST_ROUNDS` interleaved rounds (a machine that slows
-    down mid-measurement hits target, drafter and overhead alike); each cost the median of its
-    rounds at a probe, then the mean over the probes (equal-size buckets of the run's prompts)."""
-    rounds = [[chain_round(cfg, models, ids, acceptance, max_k) for ids in probes] for _ in range(COST_ROUNDS)]
-    at_probe = list(zip(*rounds))  # per probe: its rounds' (verify, draft, noise, overhead)
-    curves = [[[t for r in rs for t in r[0][n]] for n in range(len(rs[0][0]))] for rs in at_probe]
-    # a busy machine: the rounds' medians at a probe disagree (a spike within a round is left to its median)
-    rounds_medians = [[[median(r[0][n]) for r in rs] for n in range(len(rs[0][0]))] for rs in at_probe]
-    noise = sorted({w for c in rounds_medians for w in noisy(c)} | {w for rs in at_probe for r in rs for w in r[2]})
-    return Costs(tuple(fmean(median(c[n]) for c in curves) for n in range(len(curves[0]))),
-                 tuple(fmean(median(r[1][k] for r in rs) for rs in at_probe) for k in range(max_k + 1)),
-                 fmean(median(r[3] for r in rs) for rs in at_probe), tuple(noise))
+def round_noise(rounds: list[list[list[float]]]) -> list[str]:
+    """A busy machine: the rounds' medians at a probe disagree (a spike within a round is left to
+    its median). `rounds[r][n]`: round r's timings of n + 1 tokens."""
+    return noisy([[median(r[n]) for r in rounds] for n in range(len(rounds[0]))])
 
 
-def trusted_chain_costs(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]], acceptance: Acceptance,
+def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: int, fresh: bool) -> list:
+    """The target's chain costs at every probe in `COST_ROUNDS` interleaved rounds (a machine that
+    slows down mid-measurement hits every size and the overhead alike): `[round][probe]` = (verify
+    timings by size, overhead). Shared by every drafter verifying with the same hidden layers and
+    sizes."""
+    cfg, models = plan.cfg, plan.models
+    layers = verified_layers(cfg, models, cfg.decode_settings(k=max_k, nodes=cfg.max_tree_nodes))
+    sizes = max_k + 1 + (max_k if cfg.hybrid else 0)
+
+    def measure():
+        rounds = []
+        for r in range(COST_ROUNDS):
+            rounds.append([])
+            for ids in probes:
+                plan.measurer.doing(f"target: forwards of 1 .. {sizes} tokens at {len(ids)} (round {r + 1} of "
+                                    f"{COST_ROUNDS})")
+                rounds[-1].append(target_round(cfg, models, ids, layers, sizes))
+                plan.measurer.tick()
+        return rounds
+
+    name = f"chain target: layers {list(layers)}, 1 .. {sizes} tokens at {[len(p) for p in probes]}"
+    return plan.measured(plan.costs, name, measure, f"target: forwards of 1 .. {sizes} tokens",
+                         units=COST_ROUNDS * len(probes), fresh=fresh)
+
+
+def chain_drafter_rounds(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance, max_k: int,
+                         fresh: bool) -> list:
+    """The drafter's share of a chain step drafting 0 .. max_k at every probe, in `COST_ROUNDS`
+    rounds: `[round][probe]` = (seconds by k, noise warnings)."""
+    cfg, models = plan.cfg, plan.models
+
+    def measure():
+        rounds = []
+        for r in range(COST_ROUNDS):
+            rounds.append([])
+            for ids in probes:
+                plan.measurer.doing(f"{cfg.drafter_name}: drafting 1 .. {max_k} at {len(ids)} (round {r + 1} of "
+                                    f"{COST_ROUNDS})")
+                rounds[-1].append(drafter_seconds(cfg, models, ids, acceptance, max_k))
+                plan.measurer.tick()
+        return rounds
+
+    name = (f"chain drafter {plan.drafter}: 1 .. {max_k} at {[len(p) for p in probes]}, acceptance "
+            f"{content_hash(acceptance.per_position)}")
+    return plan.measured(plan.own_costs, name, measure, f"{cfg.drafter_name}: drafting 1 .. {max_k}",
+                         units=COST_ROUNDS * len(probes), fresh=fresh)
+
+
+def measure_chain_costs(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance, max_k: int,
+                        fresh: bool = False) -> Costs:
+    """Every chain cost at every probe: each the median of its rounds at a probe, then the mean
+    over the probes (equal-size buckets of the run's prompts)."""
+    target = chain_target_rounds(plan, probes, max_k, fresh)
+    drafter = chain_drafter_rounds(plan, probes, acceptance, max_k, fresh)
+    verify = [[[t for r in target for t in r[p][0][n]] for n in range(len(target[0][p][0]))] for p in range(len(probes))]
+    noise = sorted({w for p in range(len(probes)) for w in round_noise([r[p][0] for r in target])}
+                   | {w for r in drafter for _, warnings in r for w in warnings})
+    return Costs(tuple(fmean(median(v[n]) for v in verify) for n in range(len(verify[0]))),
+                 tuple(fmean(median(r[p][0][k] for r in drafter) for p in range(len(probes))) for k in range(max_k + 1)),
+                 fmean(median(r[p][1] for r in target) for p in range(len(probes))), tuple(noise))
+
+
+def trusted_chain_costs(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance,
                         max_k: int) -> tuple[Costs, list[str]]:
-    """The chain costs, measured again (up to `COST_ATTEMPTS` times) while `planning.implausible`
-    finds them impossible; and its reasons where they stayed so."""
-    for _ in range(COST_ATTEMPTS):
-        costs = measure_chain_costs(cfg, models, probes, acceptance, max_k)
-        doubts = implausible(costs, draft_forwards(cfg, models, acceptance, max_k))
+    """The chain costs, measured again (up to `COST_ATTEMPTS` times, never from the cache) while
+    `planning.implausible` finds them impossible; and its reasons where they stayed so."""
+    for attempt in range(COST_ATTEMPTS):
+        costs = measure_chain_costs(plan, probes, acceptance, max_k, fresh=attempt > 0)
+        doubts = implausible(costs, draft_forwards(plan.cfg, plan.models, acceptance, max_k))
         if not doubts:
             break
     return costs, doubts
@@ -304,30 +277,28 @@ def plans_a_tree(cfg: EvalConfig, models: LoadedModels) -> bool:
     return cfg.greedy and tree_choice(models.drafter, settings) is not None
 
 
-def plan_drafter(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]],
-                 calibration: list[EncodedPrompt]) -> tuple[Plan, dict]:
+def plan_drafter(plan: DrafterPlanning, probes: list[list[int]]) -> tuple[Plan, dict]:
     """The plan for one drafter and the report's `plan` block (SPEC §7); `probes`: `cost_probes`."""
+    cfg, models = plan.cfg, plan.models
     if plans_a_tree(cfg, models):
-        return plan_tree_drafter(cfg, models, probes[len(probes) // 2], calibration)
-    acceptance = drafter_acceptance(cfg, models, calibration)
-    max_k = min(PLAN_MAX_K, len(acceptance.per_position))
+        return plan_tree_drafter(plan, probes[len(probes) // 2])
     start = time.perf_counter()
-    costs, doubts = trusted_chain_costs(cfg, models, probes, acceptance, max_k)
-    plan = fallback_plan() if doubts else plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k,
-                                                     acceptance.extra_tokens, acceptance.by_k)
-    warn_noise(cfg, costs.warnings)
-    warn_untrusted(cfg, doubts)
-    block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": None, "tree_topk": None,
+    acceptance = drafter_acceptance(cfg, models, plan.calibration, plan.measurer, plan.acceptance)
+    max_k = min(PLAN_MAX_K, len(acceptance.per_position))
+    costs, doubts = trusted_chain_costs(plan, probes, acceptance, max_k)
+    chosen = fallback_plan() if doubts else plan_chain(acceptance.per_position, costs, acceptance.proposal_rates,
+                                                       max_k, acceptance.extra_tokens, acceptance.by_k)
+    block = {"num_draft_tokens": chosen.num_draft_tokens, "tree_nodes": None, "tree_topk": None,
              "costs": {**costs.as_dict(), "context_lengths": [len(ids) for ids in probes], "rounds": COST_ROUNDS},
              "untrusted": doubts,
-             "planned_speedup": plan.planned_speedup, "expected_tokens": plan.expected_tokens,
+             "planned_speedup": chosen.planned_speedup, "expected_tokens": chosen.expected_tokens,
              "source": acceptance.source, "acceptance": acceptance.per_position,
              "proposal_rates": acceptance.proposal_rates, "extra_tokens": acceptance.extra_tokens,
              "walked": {str(k): {"acceptance": a, "proposal_rates": r} for k, (a, r) in acceptance.by_k.items()}
              if acceptance.by_k else None,
-             "candidates": plan.as_dict()["candidates"],
+             "candidates": [{k: v for k, v in c.items() if k != "measured"} for c in chosen.as_dict()["candidates"]],
              "noise": list(costs.warnings), "seconds": time.perf_counter() - start}
-    return plan, block
+    return chosen, block
 
 
 def tree_settings(cfg: EvalConfig, models: LoadedModels) -> tuple[list[int], list[int], list[int], bool]:
@@ -347,94 +318,124 @@ def tree_settings(cfg: EvalConfig, models: LoadedModels) -> tuple[list[int], lis
     return depths, nodes, topks or [cfg.tree_topk], dynamic
 
 
-def recorded_trees(cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedPrompt], depth: int, nodes: int,
-                   topk: int):
-    """The calibration prompts decoded with the largest tree of this top-k, every step's candidates
-    recorded (`planning.TreeStep`), and a hybrid's n-gram nodes per step."""
-    settings = dataclasses.replace(cfg.decode_settings(k=depth, nodes=nodes, topk=topk),
-                                   eos_token_ids=frozenset(models.eos))
-    decoder = build_decoder(models.target_lm or models.target, models.drafter, settings)
-    decoder.recorded = []
-    lookups = getattr(decoder.drafter, "lookup_nodes", 0)
-    for p in prompts:
-        decoder.generate(p.ids, cfg.max_new_tokens)
-    steps = decoder.recorded
-    extra = (getattr(decoder.drafter, "lookup_nodes", 0) - lookups) / max(1, len(steps))
-    return steps, extra
-
-
 def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], depth: int, nodes: int,
                       topk: int) -> tuple[int, float]:
     """(the model's tree nodes, median seconds) of a whole decoding step (draft, verification,
     bookkeeping) with this tree on the probe prompt; K = 0 is a plain step. Warmed up by the
     decoder's own `warmup` (every graph its steps run: the target's for its tree size and hidden
-    layers, the drafter's), then by a short decode (caches, allocator), as a run warms up."""
+    layers, the drafter's); the first `WARM_STEPS` steps timed are left out (caches, allocator), as
+    a run's own warm-up decode leaves them out."""
     settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
     decoder = build_decoder(models.target_lm or models.target, models.drafter if depth else target_alone(),
                             settings if depth else settings.alone())
     decoder.warmup()
-    decoder.generate(ids, 4)
     seconds = []
     for _ in range(2):
         seconds += decoder.generate(ids, STEP_PROBE_TOKENS).step_seconds
     drafter = getattr(decoder, "drafter", None)
     model = getattr(drafter, "model", drafter)  # a hybrid's n-gram nodes are counted apart
-    return (model.max_nodes if model is not None else 1), median(seconds)
+    return (model.max_nodes if model is not None else 1), median(seconds[WARM_STEPS:] or seconds)
 
 
-def trusted_tree_costs(cfg: EvalConfig, models: LoadedModels, ids: list[int], measured: dict,
-                       sizes: list[int]) -> tuple[TreeCosts, list[str]]:
-    """The target's tree verification (with the hidden layers the tree decoder verifies with) and
-    a plain step, measured again (up to `COST_ATTEMPTS` times) while a plain step's overhead
-    beyond its forward is impossible (`planning.implausible`); and its reasons where it stayed so."""
-    target_lm = models.target_lm or as_cached_lm(models.target)
-    depths, nodes, topks, _ = tree_settings(cfg, models)
-    layers = verified_layers(cfg, models, cfg.decode_settings(k=max(depths), nodes=max(nodes), topk=max(topks)))
-    for _ in range(COST_ATTEMPTS):
-        verify = forward_curve(target_lm, ids, sizes, tree=True, hidden_layers=layers)
-        plain = tree_step_seconds(cfg, models, ids, 0, 1, 1)[1]
-        single = median(verify[0])
-        doubts = implausible(Costs((single,), (0.0,), max(0.0, plain - single)))
+def curve_chunks(depths: list[int], nodes: list[int]) -> list[list[int]]:
+    """The verification sizes a tree plan may need, in the chunks it measures them by: 1 .. 8 tree
+    nodes, then `CURVE_CHUNK` node budgets at a time up to the largest tree and its n-gram nodes."""
+    beyond = [n for n in NODE_BUDGETS if 8 < n <= max(nodes) + max(depths)]
+    return [list(range(1, 9))] + [beyond[i:i + CURVE_CHUNK] for i in range(0, len(beyond), CURVE_CHUNK)]
+
+
+def tree_verification(cfg: EvalConfig, models: LoadedModels, ids: list[int], layers: tuple[int, ...],
+                      sizes: list[int]) -> list[list[float]]:
+    """The target's verification of `sizes` tree nodes after `ids` (timings by size), with the hidden
+    `layers` the tree decoder verifies with."""
+    return forward_curve(models.target_lm or as_cached_lm(models.target), ids, sizes, tree=True, hidden_layers=layers)
+
+
+class TreeCurve:
+    """A tree plan's verification curve, measured chunk by chunk (`curve_chunks`) as its search
+    needs it (`extend`), each chunk shared and kept as the target's cost."""
+
+    def __init__(self, plan: DrafterPlanning, ids: list[int], layers: tuple[int, ...], chunks: list[list[int]]):
+        self.plan, self.ids, self.layers, self.chunks = plan, ids, layers, chunks
+        self.timings: list[list[float]] = []
+
+    def chunk(self, sizes: list[int], fresh: bool = False) -> list[list[float]]:
+        plan = self.plan
+        name = f"tree verification: layers {list(self.layers)}, {sizes} nodes at {len(self.ids)}"
+        return plan.measured(plan.costs, name, lambda: tree_verification(plan.cfg, plan.models, self.ids, self.layers,
+                                                                         sizes),
+                             f"target: verifying {sizes[0]} .. {sizes[-1]} tree nodes", fresh=fresh)
+
+    def first(self, plain: float, fresh: bool = False) -> TreeCosts:
+        self.timings = self.chunk(self.chunks[0], fresh)
+        return self.costs(self.chunks[0], plain, {})
+
+    def costs(self, sizes: list[int], plain: float, exact: dict) -> TreeCosts:
+        return TreeCosts(tuple(sizes), tuple(median(t) for t in self.timings), plain, tuple(noisy(self.timings)), exact)
+
+    def extend(self, costs: TreeCosts) -> TreeCosts | None:
+        """The costs with the next chunk of the curve measured, None when it is all measured."""
+        done = len(costs.sizes)
+        following = next((c for c in self.chunks if c[0] > costs.sizes[-1]), None)
+        if following is None:
+            return None
+        self.timings = self.timings[:done] + self.chunk(following)
+        return self.costs([*costs.sizes, *following], costs.plain, costs.exact)
+
+
+def plain_step(plan: DrafterPlanning, ids: list[int], fresh: bool = False) -> float:
+    """A plain decoding step's seconds at the end of `ids` (the target's cost: shared and kept)."""
+    return plan.measured(plan.costs, f"plain step at {len(ids)}",
+                         lambda: tree_step_seconds(plan.cfg, plan.models, ids, 0, 1, 1)[1],
+                         "target: a plain decoding step", fresh=fresh)
+
+
+def trusted_tree_costs(plan: DrafterPlanning, curve: TreeCurve, ids: list[int]) -> tuple[TreeCosts, list[str]]:
+    """The target's first chunk of tree verification and a plain step, measured again (up to
+    `COST_ATTEMPTS` times, never from the cache) while a plain step's overhead beyond its forward is
+    impossible (`planning.implausible`); and its reasons where it stayed so."""
+    for attempt in range(COST_ATTEMPTS):
+        plain = plain_step(plan, ids, fresh=attempt > 0)
+        costs = curve.first(plain, fresh=attempt > 0)
+        doubts = implausible(Costs((costs.verify[0],), (0.0,), max(0.0, plain - costs.verify[0])))
         if not doubts:
             break
-    return TreeCosts(tuple(sizes), tuple(median(v) for v in verify), measured, plain, tuple(noisy(verify))), doubts
+    return costs, doubts
 
 
-def plan_tree_drafter(cfg: EvalConfig, models: LoadedModels, ids: list[int],
-                      calibration: list[EncodedPrompt]) -> tuple[Plan, dict]:
+def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict]:
     """The plan for Medusa heads or an EAGLE-3 draft verifying trees: depth, nodes and top-k."""
-    if not calibration:
+    cfg, models = plan.cfg, plan.models
+    if plan.calibration is None or not plan.calibration.prompts:
         raise UserError(f"planning {cfg.drafter_name}'s tree needs its acceptance on other prompts than the evaluated "
                         "ones; pass --calibration-prompts FILE")
-    calibration = calibration[:CALIBRATION_PROMPTS]
-    depths, nodes, topks, dynamic = tree_settings(cfg, models)
     start = time.perf_counter()
-    steps, extra, measured = {}, {}, {}
-    for topk in topks:
-        steps[topk], extra[topk] = recorded_trees(cfg, models, calibration, max(depths), max(nodes), topk)
-        for depth in depths:
-            measured[(topk, depth)] = tree_step_seconds(cfg, models, ids, depth, max(nodes), topk)
-    sizes = sorted({1, *range(2, 9), *(n for n in NODE_BUDGETS if n <= max(nodes) + max(depths))})
-    costs, doubts = trusted_tree_costs(cfg, models, ids, measured, sizes)
-    limit = tree_node_limit if dynamic else (lambda topk, depth: measured[(topk, depth)][0])
+    depths, nodes, topks, dynamic = tree_settings(cfg, models)
+    recorded = tree_acceptance(cfg, models, plan.calibration, plan.measurer, plan.acceptance, depths, nodes, topks,
+                               dynamic)
+    table = {(k, d, n): (e, x) for k, d, n, e, x in recorded["table"]}
+    layers = verified_layers(cfg, models, cfg.decode_settings(k=max(depths), nodes=max(nodes), topk=max(topks)))
+    curve = TreeCurve(plan, ids, layers, curve_chunks(depths, nodes))
+    costs, doubts = trusted_tree_costs(plan, curve, ids)
 
     def measure(topk, depth, n):
-        return tree_step_seconds(cfg, models, ids, depth, n, topk)[1]
+        return plan.measured(plan.own_costs, f"tree step {plan.drafter}: top-{topk}, K {depth}, {n} nodes at {len(ids)}",
+                             lambda: tree_step_seconds(cfg, models, ids, depth, n, topk)[1],
+                             f"a whole step of top-{topk}, K = {depth}, {n} nodes")
 
-    plan = fallback_plan() if doubts else plan_tree_measured(steps, costs, depths, nodes, measure, extra,
-                                                             node_limit=limit)
-    warn_noise(cfg, costs.warnings)
-    warn_untrusted(cfg, doubts)
-    ranked = sorted(plan.candidates, key=lambda c: -c.planned_speedup)
-    block = {"num_draft_tokens": plan.num_draft_tokens, "tree_nodes": plan.tree_nodes,
-             "tree_topk": plan.tree_topk if dynamic else None,
+    chosen = fallback_plan() if doubts else None
+    if chosen is None:
+        chosen, costs = plan_tree_measured(table, costs, measure, curve.extend)
+    ranked = sorted(chosen.candidates, key=lambda c: -c.planned_speedup)
+    block = {"num_draft_tokens": chosen.num_draft_tokens, "tree_nodes": chosen.tree_nodes,
+             "tree_topk": chosen.tree_topk if dynamic else None,
              "costs": {**costs.as_dict(), "context_lengths": [len(ids)]}, "untrusted": doubts,
-             "planned_speedup": plan.planned_speedup, "expected_tokens": plan.expected_tokens,
-             "source": f"{len(calibration)} calibration prompts from {cfg.calibration_prompts} "
-                       f"({sum(len(s) for s in steps.values())} recorded tree steps)",
-             "extra_tokens": extra, "candidates": [dataclasses.asdict(c) for c in ranked],
+             "planned_speedup": chosen.planned_speedup, "expected_tokens": chosen.expected_tokens,
+             "source": f"{recorded['prompts']} calibration prompts from {cfg.calibration_prompts} "
+                       f"({recorded['steps']} recorded tree steps)",
+             "extra_tokens": recorded["extra_tokens"], "candidates": [dataclasses.asdict(c) for c in ranked],
              "noise": list(costs.warnings), "seconds": time.perf_counter() - start}
-    return plan, block
+    return chosen, block
 
 
 def warn_untrusted(cfg: EvalConfig, doubts: list[str]) -> None:
@@ -445,21 +446,80 @@ def warn_untrusted(cfg: EvalConfig, doubts: list[str]) -> None:
               "run alone, or pass --num-draft-tokens K", file=sys.stderr)
 
 
-def warn_noise(cfg: EvalConfig, warnings) -> None:
-    """One `warning:` line for a cost measurement that looks like a busy machine."""
+def warn_noise(cfg: EvalConfig, warnings, cached: bool = False) -> None:
+    """One `warning:` line for a cost measurement that looks like a busy machine (kept as it was
+    measured: a plan from the cache says so again, until `--replan`)."""
     if warnings:
+        again = " and measure it again with --replan" if cached else ""
         print(f"warning: {cfg.drafter_name}: the cost measurement looks like a busy machine ({'; '.join(warnings)}); "
-              "the plan may be made from noise: run alone", file=sys.stderr)
+              f"the plan may be made from noise: run alone{again}", file=sys.stderr)
+
+
+def drafter_key(cfg: EvalConfig) -> str | None:
+    """The drafter's identity in the cache's keys (`plan_cache.drafter_identity`): its kind, its
+    weights, its own flags, a lookup joined, and the tree it drafts (a tree file by its content)."""
+    tree = cfg.tree if cfg.tree in TREE_CHOICES else content_hash(Path(cfg.tree).read_text())
+    kind_settings = {f: getattr(cfg, f) for f in BY_NAME[cfg.drafter_kind].settings()}
+    lookup_settings = {f: getattr(cfg, f) for f in BY_NAME[cfg.hybrid].settings()} if cfg.hybrid else {}
+    return drafter_identity(cfg.drafter_kind, cfg.drafter_path, {"hybrid": cfg.hybrid, "kind": kind_settings,
+                                                                  "lookup": lookup_settings, "tree": tree,
+                                                                  "tree_topk": cfg.tree_topk})
+
+
+def decode_settings_key(cfg: EvalConfig) -> dict:
+    """The settings that move acceptance, beside the drafter's own (`drafter_key`)."""
+    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
+            "num_draft_tokens": cfg.num_draft_tokens, "tree_nodes": cfg.tree_nodes, "plan_max_k": PLAN_MAX_K}
+
+
+class PlanRun:
+    """What the plans of one run share: the cache (`plan_cache`), its keys' parts that every drafter
+    shares (the target's fingerprint, the calibration set's content), and the calibration prompts'
+    continuations (`calibration.Calibration`)."""
+
+    def __init__(self, cfg: EvalConfig, models: LoadedModels, calibration: list[EncodedPrompt]):
+        self.started = now()
+        self.target = weights_fingerprint(cfg.target)
+        self.cache = PlanCache(plans_home(), replan=cfg.replan)
+        self.calibration_set = content_hash([p.ids for p in calibration])
+        self.dtype, self.device = models.dtype_name, models.device
+        self.costs_key = costs_key(self.target, getattr(models.target_lm, "engine", "eager"), self.dtype, self.device)
+        self.costs = self.cache.costs(self.costs_key)
+        store = self.cache.acceptance(acceptance_key(self.target, "the target alone", self.calibration_set,
+                                                     {"max_new_tokens": cfg.max_new_tokens, "eos": sorted(models.eos)},
+                                                     self.dtype, self.device))
+        self.calibration = Calibration(cfg, models, calibration, store) if calibration else None
+
+    def drafter(self, cfg: EvalConfig, models: LoadedModels, bar) -> DrafterPlanning:
+        identity = drafter_key(cfg)
+        store = self.cache.acceptance(acceptance_key(self.target, identity, self.calibration_set,
+                                                     decode_settings_key(cfg), self.dtype, self.device))
+        own = self.costs if identity else self.cache.costs({**self.costs_key, "drafter": None, "name": cfg.drafter_name})
+        return DrafterPlanning(cfg, models, self.calibration, self.costs, own, store, identity or cfg.drafter_name,
+                               Measurer(self.started, bar))
+
+
+def expected_units(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]], calibration: int) -> int:
+    """A plan's units of work for its progress line, at most: calibration prompts, cost rounds, trees."""
+    if plans_a_tree(cfg, models):
+        return len(tree_settings(cfg, models)[2]) * min(CALIBRATION_PROMPTS, calibration) + 2 + EXPECTED_TREE_STEPS
+    prompts = min(LOOKUP_CALIBRATION_PROMPTS if BY_NAME[cfg.drafter_kind].planned_from_walks else CALIBRATION_PROMPTS,
+                  calibration) if cfg.calibration_prompts else 0
+    return prompts + 2 * COST_ROUNDS * len(probes)
 
 
 def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: list[EncodedPrompt],
-                  calibration: list[EncodedPrompt]) -> tuple[list[EvalConfig], list[dict | None]]:
+                  calibration: list[EncodedPrompt], progress: bool = False) -> tuple[list[EvalConfig], list[dict | None]]:
     """Every `auto` config with its planned K and tree (K = 0: the target alone), and the plans
-    for the reports; costs are measured at `cost_probes` of the evaluated `prompts` (their lengths:
-    acceptance comes from other prompts). A chain drafter has no tree to size: beside a tree drafter
-    in a compare (`run.check_tree_nodes_auto` refuses it alone), its report says `--tree-nodes auto`
-    did not apply."""
+    for the reports (`cached`: made from measurements of earlier runs alone; `measured_at`: the
+    oldest). Costs are measured at `cost_probes` of the evaluated `prompts` (their lengths:
+    acceptance comes from other prompts); `progress`: one line per drafter's plan. A chain drafter
+    has no tree to size: beside a tree drafter in a compare (`run.check_tree_nodes_auto` refuses it
+    alone), its report says `--tree-nodes auto` did not apply."""
+    from tqdm.auto import tqdm
+
     probes = cost_probes(prompts, cfgs[0].max_new_tokens)
+    run = None
     planned, blocks = [], []
     for cfg, m in zip(cfgs, models):
         tree = BY_NAME[cfg.drafter_kind].drafts and plans_a_tree(cfg, m)
@@ -473,14 +533,22 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: l
             planned.append(dataclasses.replace(cfg, num_draft_tokens=0, tree_nodes=None))
             blocks.append(None)
             continue
-        plan, block = plan_drafter(cfg, m, probes, calibration)
+        run = run or PlanRun(cfgs[0], models[0], calibration)
+        with tqdm(total=expected_units(cfg, m, probes, len(calibration)), desc=f"plan {cfg.drafter_name}",
+                  unit="step", disable=not progress) as bar:
+            planning = run.drafter(cfg, m, bar)
+            plan, block = plan_drafter(planning, probes)
+            bar.total = bar.n
+            planning.measurer.doing(f"K = {plan.num_draft_tokens}" + (f", {plan.tree_nodes} nodes" if tree else "")
+                                    + (" (from the plan cache)" if planning.measurer.cached else ""))
+        warn_noise(cfg, block["noise"], planning.measurer.cached)  # below its progress line, not inside it
+        warn_untrusted(cfg, block["untrusted"])
         planned.append(dataclasses.replace(cfg, num_draft_tokens=plan.num_draft_tokens,
                                            tree_nodes=plan.tree_nodes if tree else None,
                                            tree_topk=plan.tree_topk if tree and plan.tree_topk else cfg.tree_topk))
-        blocks.append({**block, **not_applicable})
+        blocks.append({**block, **not_applicable, "cached": planning.measurer.cached,
+                       "measured_at": planning.measurer.measured_at})
     return planned, blocks
-
-
 
 
 def export_plans(target, acceptance: list[float], probe: list[int], *, where: str, **exported) -> dict:
@@ -536,4 +604,5 @@ def served_settings(k: int, where: str, drafter) -> dict:
     return out
 
 
-__all__ = ["CALIBRATION_PROMPTS", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "export_plans", "planned_k", "plan_drafter", "plan_tree_drafter", "resolve_plans"]
+__all__ = ["CALIBRATION_PROMPTS", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "calibration_prompts", "check_calibration",
+           "export_plans", "no_tree_reason", "planned_k", "plan_drafter", "plan_tree_drafter", "resolve_plans"]

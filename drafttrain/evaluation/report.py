@@ -30,12 +30,20 @@ def target_fingerprint(path: str) -> str | None:
     """report.json's `inputs.target_fingerprint`: a hash of a local model directory's config and
     the sizes, head and tail of its weights files, so `replay` can tell outputs of another target
     from this one's (a copy elsewhere is the same target); None for a hub id."""
+    return weights_fingerprint(path)
+
+
+def weights_fingerprint(path: str, also: tuple[str, ...] = ()) -> str | None:
+    """A hash of a local model directory: for each of its weights files (.safetensors, .bin),
+    config.json and the files named in `also` (a drafter's `drafttrain.json`: the acceptance its
+    export recorded), the name, the size and the first and last MiB. Enough to tell two models
+    apart, and fast on a 1 GB checkpoint; a copy elsewhere hashes the same. None for a hub id."""
     root = Path(path)
     if not root.is_dir():
         return None
     digest = hashlib.sha256()
     for file in sorted(root.iterdir()):
-        if file.name != "config.json" and file.suffix not in (".safetensors", ".bin"):
+        if file.name not in ("config.json", *also) and file.suffix not in (".safetensors", ".bin"):
             continue
         size = file.stat().st_size
         digest.update(f"{file.name}\0{size}\0".encode())
@@ -408,8 +416,7 @@ def plan_section(plan: dict | None) -> list[str]:
     lines = ["## Plan (auto)", "",
              setting + (" (no speculation: the target alone)" if chosen == 0 else "")
              + f", planned speedup {_fmt(plan['planned_speedup'], 2)}, measured {_fmt(plan.get('measured_speedup'), 2)}. "
-             f"Acceptance: {plan['source']}. Costs measured on this machine before timing "
-             f"({_fmt(plan.get('seconds'), 1)} s, not in tokens/s): " + (tree_costs_text(plan["costs"]) if tree else
+             f"Acceptance: {plan['source']}. {measured_when(plan)} " + (tree_costs_text(plan["costs"]) if tree else
                                                                           chain_costs_text(plan["costs"]))
              + " (model: `drafttrain.planning`).", ""]
     shown = plan["candidates"][:12] if tree else plan["candidates"]
@@ -420,13 +427,27 @@ def plan_section(plan: dict | None) -> list[str]:
         mark = " (chosen)" if (c["num_draft_tokens"], c.get("tree_nodes"), c.get("tree_topk")) == \
             (chosen, plan.get("tree_nodes"), plan.get("tree_topk") or c.get("tree_topk")) else ""
         cells = [f"{c['num_draft_tokens']}{mark}"] + ([_fmt(c.get("tree_nodes")), _fmt(c.get("tree_topk"))] if tree else [])
-        lines.append(f"| {' | '.join(cells)} | {_fmt(c['expected_tokens'])} | {_fmt(c['planned_speedup'], 2)} |")
+        bound = "≤ " if c.get("measured") is False else ""
+        lines.append(f"| {' | '.join(cells)} | {_fmt(c['expected_tokens'])} | {bound}{_fmt(c['planned_speedup'], 2)} |")
     if tree and len(plan["candidates"]) > len(shown):
         lines += ["", f"The {len(shown)} best of {len(plan['candidates'])} settings weighed (all: report.json `plan`)."]
+    if tree:
+        lines += ["", "≤: a tree not timed whole, planned at the least its step can cost (its verification and what "
+                      "a measured tree no wider, deeper or smaller spent beyond it): the trees it could not beat "
+                      "were not measured."]
     if plan.get("noise"):
         lines += ["", "**The cost measurement looked like a busy machine** (" + "; ".join(plan["noise"])
                   + "): the plan may be made from noise; measure alone."]
     return lines + [""]
+
+
+def measured_when(plan: dict) -> str:
+    """Where the plan's measurements come from: this run, or the plan cache and when."""
+    if plan.get("cached"):
+        return (f"Costs and acceptance from the plan cache ($DRAFTTRAIN_HOME/plans), measured on this machine from "
+                f"{plan.get('measured_at')} (`--replan` measures afresh; read in {_fmt(plan.get('seconds'), 1)} s):")
+    return (f"Costs measured on this machine before timing ({_fmt(plan.get('seconds'), 1)} s of planning, not in "
+            "tokens/s):")
 
 
 def _ms(xs) -> str:

@@ -155,7 +155,7 @@ def evaluate(cfgs: list[EvalConfig], models: list[LoadedModels] | None = None, p
                                 kv_cache_bytes=kv_cache_bytes(loaded.target.config, loaded.target.dtype, max_len, seqs))
         for m in models:
             m.served = engines
-    cfgs, plans = resolve_plans(cfgs, models, prompts, calibration)  # --num-draft-tokens auto: K from costs
+    cfgs, plans = resolve_plans(cfgs, models, prompts, calibration, progress)  # --num-draft-tokens auto: K from costs
     first = cfgs[0]
     torch.manual_seed(first.seed)
     if loaded.device.type == "cuda":

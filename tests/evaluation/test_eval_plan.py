@@ -152,17 +152,43 @@ def test_compare_takes_plus_ngram_on_a_draft_only(setup, tmp_path, capsys):
     one_error_line(code, out, err, "NAME=draft:DIR+ngram")
 
 
-def test_lookup_reads_more_calibration_prompts_than_a_model(setup, tmp_path):
-    """n-gram's acceptance varies the most from prompt to prompt, and its calibration is a walk:
-    it reads LOOKUP_CALIBRATION_PROMPTS, a model drafter CALIBRATION_PROMPTS."""
-    many = write_jsonl(tmp_path / "many.jsonl", [dict(c, id=f"c{i}") for i, c in
-                                                  enumerate(CALIBRATION * (LOOKUP_CALIBRATION_PROMPTS + 2))])
-    read = {}
-    for name, spec in (("draft", ("--draft", setup["draft"])), ("ngram", ("--method", "ngram"))):
-        assert main(argv(setup, tmp_path / name, "--calibration-prompts", many, drafter=spec)) == 0
-        read[name] = json.loads((tmp_path / name / "report.json").read_text())["plan"]["source"]
-    assert read["draft"].startswith(f"{CALIBRATION_PROMPTS} calibration prompts")
-    assert read["ngram"].startswith(f"{LOOKUP_CALIBRATION_PROMPTS} calibration prompts")
+def test_calibration_reads_prompts_until_its_interval_is_tight(setup, tmp_path):
+    """Prompts are read one at a time until tokens a step is known to within the tolerance
+    (`planning.enough_prompts`), at most LOOKUP_CALIBRATION_PROMPTS for n-gram lookup (its copying
+    varies the most) and CALIBRATION_PROMPTS for a model. The reference: each calibration prompt
+    decoded by the n-gram decoder itself at K = PLAN_MAX_K, on the target, its tokens a step
+    counted until the interval is tight. One prompt repeated is known after the minimum."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafttrain.decoding import DecodeSettings
+    from drafttrain.kinds.base import Drafter
+    from drafttrain.kinds.factory import build_decoder
+    from drafttrain.planning import MIN_CALIBRATION_PROMPTS, enough_prompts
+    from drafttrain.prompts import encode_prompt, read_prompts
+
+    varied = [{"id": f"c{i}", "prompt": " ".join(f"w{3 + (i * 7 + j * (i % 3 + 1)) % 50}" for j in range(4 + i % 5))}
+              for i in range(LOOKUP_CALIBRATION_PROMPTS + 2)]
+    files = {"varied": write_jsonl(tmp_path / "varied.jsonl", varied),
+             "same": write_jsonl(tmp_path / "same.jsonl", [dict(CALIBRATION[1], id=f"s{i}") for i in range(30)])}
+    target = AutoModelForCausalLM.from_pretrained(setup["target"], dtype=torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(setup["target"])
+    decoder = build_decoder(target, Drafter("ngram"), DecodeSettings(num_draft_tokens=PLAN_MAX_K,
+                                                                      eos_token_ids=frozenset({2})))
+    per_prompt = []
+    for record in read_prompts([files["varied"]], LOOKUP_CALIBRATION_PROMPTS):
+        gen = decoder.generate(encode_prompt(record, tokenizer), 12)
+        per_prompt.append((len(gen.tokens), len(gen.accepted_lengths)))
+        if enough_prompts(per_prompt):
+            break
+    expected = len(per_prompt)
+    for name, spec, prompts, count in (("ngram", ("--method", "ngram"), "varied", expected),
+                                       ("ngram", ("--method", "ngram"), "same", MIN_CALIBRATION_PROMPTS),
+                                       ("draft", ("--draft", setup["draft"]), "same", MIN_CALIBRATION_PROMPTS)):
+        out = tmp_path / f"{name}-{prompts}"
+        assert main(argv(setup, out, "--calibration-prompts", files[prompts], drafter=spec)) == 0
+        source = json.loads((out / "report.json").read_text())["plan"]["source"]
+        assert source.startswith(f"{count} calibration prompts"), (name, prompts, source)
+    assert CALIBRATION_PROMPTS < LOOKUP_CALIBRATION_PROMPTS
 
 
 def test_calibration_prompts_are_compared_with_the_evaluated_ones_by_content(setup, tmp_path, capsys):

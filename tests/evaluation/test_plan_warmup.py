@@ -127,22 +127,26 @@ def check(watch, aux):
 
 @pytest.mark.slow
 def test_tree_timings_warm_up_the_decoders_and_verify_with_their_hidden_layers(compiled_backend, monkeypatch):
-    """Whole tree steps of each (top-k, depth) and a plain step, and the tree verification curve."""
+    """A whole tree step, a plain step, and the tree verification curve with the layers the
+    planner finds its decoder verifying with."""
     cfg, models, aux = planned(tree="dynamic", num_draft_tokens=2, tree_nodes=4, tree_topk=2)
+    layers = planner.verified_layers(cfg, models, cfg.decode_settings(k=2, nodes=4, topk=2))
     with watched(monkeypatch) as watch:
         nodes, seconds = planner.tree_step_seconds(cfg, models, PROBE, 2, 4, 2)
-        measured = {(2, 2): (nodes, seconds)}
-        costs, _ = planner.trusted_tree_costs(cfg, models, PROBE, measured, [1, 2, 4, 6])
-    assert seconds > 0 and costs.plain > 0 and all(v > 0 for v in costs.verify)
+        plain = planner.tree_step_seconds(cfg, models, PROBE, 0, 1, 1)[1]
+        verify = planner.tree_verification(cfg, models, PROBE, layers, [1, 2, 4, 6])
+    assert seconds > 0 and plain > 0 and all(v > 0 for timings in verify for v in timings)
     check(watch, aux)
 
 
 @pytest.mark.slow
 def test_chain_costs_warm_up_and_verify_with_the_drafters_hidden_layers(compiled_backend, monkeypatch):
-    """A chain round: the target's verification curve, the draft's step and the loop's overhead."""
+    """A chain round: the target's verification curve and the loop's overhead, and the draft's step."""
     cfg, models, aux = planned(tree="chain", num_draft_tokens=2)
     acceptance = planner.Acceptance([0.8, 0.5], None, "test")
+    layers = planner.verified_layers(cfg, models, cfg.decode_settings(k=2, nodes=cfg.max_tree_nodes))
     with watched(monkeypatch) as watch:
-        verify, draft, _, overhead = planner.chain_round(cfg, models, PROBE, acceptance, 2)
+        verify, overhead = planner.target_round(cfg, models, PROBE, layers, 3)
+        draft, _ = planner.drafter_seconds(cfg, models, PROBE, acceptance, 2)
     assert len(verify) == 3 and len(draft) == 3 and overhead >= 0
     check(watch, aux)

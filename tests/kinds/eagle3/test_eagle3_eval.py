@@ -156,8 +156,9 @@ def test_eagle3_tree_that_cannot_fit_the_draft_vocabulary_is_one_error_line(file
 @pytest.mark.parametrize("extra", [[], ["--num-draft-tokens", "auto"]])
 def test_a_planned_tree_decodes_with_its_plan_and_equals_the_target(files, tmp_path, extra):
     """--tree-nodes auto (with --num-draft-tokens auto: depth too): the calibration prompts decode
-    the largest tree of each top-k up to --tree-topk, every (top-k, depth) is timed whole, and the
-    chosen setting is the one that decodes, losslessly."""
+    the largest tree of each top-k up to --tree-topk, every (top-k, depth) is weighed, the trees the
+    decision needs are timed whole (the chosen one always), and the chosen setting is the one that
+    decodes, losslessly."""
     root, references = files
     calibration = tmp_path / "c.jsonl"
     calibration.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i} w{i + 1} w{i + 2}"}) + "\n"
@@ -171,9 +172,11 @@ def test_a_planned_tree_decodes_with_its_plan_and_equals_the_target(files, tmp_p
     weighed = {(c["num_draft_tokens"], c["tree_topk"]) for c in plan["candidates"] if c["num_draft_tokens"]}
     depths = range(1, PLAN_MAX_K + 1) if extra else [3]
     assert weighed == {(d, k) for d in depths for k in (1, 2, 4)}
-    assert {(s["num_draft_tokens"], s["tree_topk"]) for s in plan["costs"]["step_seconds"]} == weighed
-    best = max(plan["candidates"], key=lambda c: c["planned_speedup"])
+    timed = {(s["num_draft_tokens"], s["tree_nodes"], s["tree_topk"]) for s in plan["costs"]["step_seconds"]}
+    assert {(d, k) for d, _, k in timed} <= weighed
+    best = max((c for c in plan["candidates"] if c["measured"]), key=lambda c: c["planned_speedup"])
     assert plan["planned_speedup"] == pytest.approx(best["planned_speedup"])
+    assert not plan["num_draft_tokens"] or (plan["num_draft_tokens"], plan["tree_nodes"], plan["tree_topk"]) in timed
     assert report["config"]["num_draft_tokens"] == plan["num_draft_tokens"]
     if plan["num_draft_tokens"]:
         assert report["config"]["tree_nodes"] == plan["tree_nodes"] and report["config"]["tree_topk"] == plan["tree_topk"]

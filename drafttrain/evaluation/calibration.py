@@ -1,0 +1,325 @@
+"""A drafter's acceptance on other prompts than the evaluated ones, for its plan (`evaluation.plan`):
+the held-out acceptance its export recorded, or what it does on `--calibration-prompts`.
+
+What a plan reads of the calibration prompts, and why it is no more than the decision needs:
+- The target's greedy continuations of the calibration prompts are decoded once (and kept,
+  `plan_cache`), by n-gram lookup at K = `CONTINUATION_K` (lossless: the target's own greedy text,
+  quicker than the target alone), and shared by every drafter of the run. A greedy lookup walks them
+  (`planning.walk_chain`: exact, its proposal being a function of the text): each lookup of the
+  Gemma-3 demo decoded all 24 prompts itself, about 50 s each.
+- A model drafter decoding greedily on the eager engine is decoded against its target's
+  continuations rather than the target (`decoding.engines.teacher`: one teacher-forced forward a
+  prompt gives the target's hidden states; every verdict is read off the continuation): the very
+  steps a decode against the target takes, at the cost of the drafter's own work. EAGLE-3's tree
+  recordings verified the largest tree (64 nodes) through Gemma-3 at every step of 8 prompts for
+  each of 4 top-ks, most of its plan's 607 s. A sampled decode, and a decode on the static engine
+  (a GPU's, where verification is cheap and the replay is not worth its own forwards), decode
+  against the target as before.
+- Prompts are read one at a time until the drafter's tokens a step is known to within 7.5% at 95%
+  confidence (`planning.enough_prompts`: half of the 15% a plan is to come within of its
+  measurement), at least 3, at most `CALIBRATION_PROMPTS` (`LOOKUP_CALIBRATION_PROMPTS` for a
+  lookup), as many as before: a drafter whose acceptance varies little stops early; one whose
+  acceptance varies a lot reads the whole budget, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..decoding import DecodeSettings, StaticLM
+from ..decoding.engines.teacher import teacher_forced
+from ..errors import UserError
+from ..export import RECORD
+from ..kinds.base import Drafter
+from ..kinds.factory import build_decoder
+from ..kinds.registry import BY_NAME
+from ..planning import TreeStep, enough_prompts, tree_node_limit, tree_table, walk_chain, walked_rates
+from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
+from .config import PLAN_MAX_K, EvalConfig
+from .loading import LoadedModels
+from .plan_cache import Measurer, Store
+
+CALIBRATION_PROMPTS = 8  # prompts of --calibration-prompts decoded per model drafter, at most
+# n-gram lookup reads three times as many: copying varies from prompt to prompt far more than a
+# model's acceptance does (walked tau at K=3 on SmolLM2's HumanEval answers: 1.02 to 3.31 per
+# prompt; 1.47 over prompts 13-20, 1.58 over 13-36, 1.84 over the first 12), and its calibration
+# is a walk over the target's continuations, with no draft model to run.
+LOOKUP_CALIBRATION_PROMPTS = 24
+CONTINUATION_K = 3  # n-gram lookup's K decoding the target's continuations (on 2 cores 4 tokens verify cheaply)
+
+
+@dataclasses.dataclass(frozen=True)
+class Acceptance:
+    """Per-position acceptance a_1 .. a_K and how often each position was proposed at all."""
+
+    per_position: list[float]
+    proposal_rates: list[float] | None
+    source: str
+    extra_tokens: float = 0.0  # a hybrid's n-gram nodes per step beside the model's K drafts
+    by_k: dict[int, tuple[list[float], list[float]]] | None = None  # measured at each K (`planning.walk_chain`)
+
+
+def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
+    """The held-out chain acceptance an export recorded (`drafttrain.json`: draft LMs, EAGLE-3
+    drafts, Medusa heads), if there is one."""
+    export = cfg.drafter_path
+    path = Path(export) / RECORD if export else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        held_out = json.loads(path.read_text())["held_out"]
+        per_position = [float(a) for a in held_out["per_position_acceptance"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is damaged ({type(e).__name__}: {e}); re-export the draft, or plan from "
+                        "--calibration-prompts FILE") from None
+    return Acceptance(per_position, None, f"held-out acceptance recorded at export ({path})")
+
+
+def read_calibration(cfg: EvalConfig) -> list[PromptRecord]:
+    """The first `LOOKUP_CALIBRATION_PROMPTS` records of --calibration-prompts (none without it): all
+    that any drafter's plan reads."""
+    if not cfg.calibration_prompts:
+        return []
+    return read_prompts([cfg.calibration_prompts], LOOKUP_CALIBRATION_PROMPTS, flag="--calibration-prompts")
+
+
+def check_calibration(cfg: EvalConfig, evaluated: list[PromptRecord]) -> None:
+    """Calibration prompts must be other prompts than the evaluated ones (SPEC §7). Compared by what
+    they send, not by path: a copy of the evaluated file under another name, or a file that shares
+    some prompts with it, would fit the plan to the test as surely as the file itself."""
+    tested = {prompt_content(r): r for r in evaluated}
+    read = read_calibration(cfg)
+    shared = [r for r in read if prompt_content(r) in tested]
+    if shared:
+        raise UserError(f"{len(shared)} of the {len(read)} prompts read from --calibration-prompts {cfg.calibration_prompts} are "
+                        f"also in an evaluated prompt file ({shared[0].source} is {tested[prompt_content(shared[0])].source}); "
+                        "a plan fitted to the evaluated prompts is no plan: give other prompts")
+
+
+def calibration_prompts(cfg: EvalConfig, tokenizer, context_limit: int | None) -> list[EncodedPrompt]:
+    """The calibration records (`read_calibration`), encoded before the engines are sized, so they
+    fit the caches; model drafters decode the first `CALIBRATION_PROMPTS` of them, at most."""
+    return encode_prompts(read_calibration(cfg), tokenizer, max_new_tokens=cfg.max_new_tokens,
+                          context_limit=context_limit)
+
+
+class Calibration:
+    """What the plans of one run share about its calibration prompts: the target's greedy
+    continuations (decoded once, kept in `store`) and its teacher-forced targets along them."""
+
+    def __init__(self, cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedPrompt], store: Store):
+        self.cfg, self.models, self.prompts, self.store = cfg, models, prompts, store
+        self._teachers: dict[tuple[int, tuple[int, ...]], object] = {}
+        self._decoder = None
+
+    def continuation(self, i: int, measurer: Measurer) -> list[int]:
+        """The target's greedy continuation of calibration prompt `i`, decoding those before it
+        that no drafter needed yet. Read inside a drafter's calibration only: the plan rests on
+        that calibration, measured when it was."""
+        found = self.store.get("continuations")
+        done = found[0] if found is not None else []
+        for j in range(len(done), i + 1):
+            measurer.doing(f"the target's greedy continuation of calibration prompt {j + 1}")
+            done = [*done, self._decode(self.prompts[j].ids)]
+            self.store.put("continuations", done)
+            measurer.tick()
+        return done[i]
+
+    def _decode(self, prompt: list[int]) -> list[int]:
+        if self._decoder is None:
+            settings = DecodeSettings(num_draft_tokens=CONTINUATION_K, eos_token_ids=frozenset(self.models.eos))
+            self._decoder = build_decoder(self.models.target_lm or self.models.target, Drafter("ngram"), settings)
+            self._decoder.warmup()
+        return self._decoder.generate(prompt, self.cfg.max_new_tokens).tokens
+
+    def teacher(self, i: int, layers: tuple[int, ...], measurer: Measurer):
+        """The target along prompt `i` and its continuation (`decoding.engines.teacher`), with its
+        hidden `layers`: one forward, shared by every drafter reading those layers."""
+        if (i, layers) not in self._teachers:
+            continuation = self.continuation(i, measurer)
+            measurer.doing(f"the target's hidden states along calibration prompt {i + 1}")
+            self._teachers[(i, layers)] = teacher_forced(self.models.target, self.prompts[i].ids + continuation, layers)
+        return self._teachers[(i, layers)]
+
+
+def replays(cfg: EvalConfig, models: LoadedModels) -> bool:
+    """Whether a model drafter's calibration decodes against the target's continuations (greedy, on
+    the eager engine) rather than the target."""
+    return cfg.greedy and not isinstance(models.target_lm, StaticLM)
+
+
+def walks(cfg: EvalConfig) -> bool:
+    """A greedy lookup (its proposal a function of the text so far): its acceptance at every K is
+    walked over the calibration outputs."""
+    return BY_NAME[cfg.drafter_kind].planned_from_walks and cfg.greedy
+
+
+def drafter_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibration | None, measurer: Measurer,
+                       store: Store) -> Acceptance:
+    """The chain acceptance a plan reads: calibrated (kept in `store`), else the export's record."""
+    if cfg.calibration_prompts:
+        budget = LOOKUP_CALIBRATION_PROMPTS if walks(cfg) else CALIBRATION_PROMPTS
+        prompts = min(budget, len(calibration.prompts))
+        found = measurer.measured(store, "chain", lambda: calibrate_chain(cfg, models, calibration, measurer, prompts),
+                                  f"calibration on up to {prompts} prompts", units=prompts)
+        return Acceptance(found["per_position"], found["proposal_rates"],
+                          f"{found['prompts']} calibration prompts from {cfg.calibration_prompts}", found["extra_tokens"],
+                          {int(k): tuple(v) for k, v in found["by_k"].items()} if found["by_k"] else None)
+    recorded = None if cfg.hybrid else recorded_acceptance(cfg)  # a hybrid's own acceptance is not recorded
+    if recorded is None:
+        raise UserError(f"--num-draft-tokens auto needs {cfg.drafter_name}'s acceptance on other prompts than the "
+                        f"evaluated ones, and it has none recorded ({RECORD}); pass --calibration-prompts FILE")
+    return recorded
+
+
+def calibrate_chain(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
+                    prompts: int) -> dict:
+    """A chain drafter's acceptance on up to `prompts` calibration prompts, as the cache keeps it."""
+    if walks(cfg):
+        return walked_acceptance(cfg, calibration, measurer, prompts)
+    return calibrated_acceptance(cfg, models, calibration, measurer, prompts)
+
+
+def walked_acceptance(cfg: EvalConfig, calibration: Calibration, measurer: Measurer, prompts: int) -> dict:
+    """A lookup's acceptance and proposal rates at every K = 1 .. PLAN_MAX_K, walked exactly over
+    the target's greedy continuations (`planning.walk_chain`): copying is bursty, so the deepest K's
+    per-position acceptance misjudges a smaller K's. Its acceptance is the deepest K's."""
+    new_lookup = BY_NAME[cfg.drafter_kind].lookup
+    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes)
+    steps: dict[int, list[tuple[int, int]]] = {k: [] for k in range(1, PLAN_MAX_K + 1)}
+    per_prompt = []
+    for i, p in enumerate(calibration.prompts[:prompts]):
+        continuation = calibration.continuation(i, measurer)
+        for k in steps:  # the deepest K last: its steps are this prompt's tokens a step
+            walked = walk_chain(p.ids, continuation, looking_up(new_lookup(settings), p.ids), k, cfg.max_new_tokens)
+            steps[k] += walked
+        per_prompt.append((sum(a + 1 for _, a in walked), len(walked)))
+        if enough_prompts(per_prompt):
+            break
+    by_k = {k: walked_rates(s, k) for k, s in steps.items()}
+    per_position, rates = by_k[PLAN_MAX_K]
+    return {"per_position": per_position, "proposal_rates": rates, "prompts": len(per_prompt), "extra_tokens": 0.0,
+            "by_k": by_k}
+
+
+def looking_up(lookup, prompt: list[int]):
+    """`walk_chain`'s proposal: `lookup` (a lookup proposer) reset to `prompt`, asked for n tokens."""
+    lookup.reset(prompt)
+    return lambda sequence, n: lookup.lookup(n, sequence)
+
+
+def verified_layers(cfg: EvalConfig, models: LoadedModels, settings: DecodeSettings) -> tuple[int, ...]:
+    """The target hidden layers this drafter's decoder verifies with (`Decoder.hidden_layers`:
+    EAGLE-3's aux layers, Medusa's last; none for the rest): its verification is that graph, not
+    the plain forward's, so its costs are timed with them, and its replays carry them."""
+    return tuple(build_decoder(models.target_lm or models.target, models.drafter, settings).hidden_layers)
+
+
+def calibration_decoders(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
+                         settings: DecodeSettings, prompts: int):
+    """(prompt, a decoder of the drafter for it) for each of the first `prompts` calibration prompts:
+    against the target's continuation where the drafter `replays`, else against the target."""
+    settings = dataclasses.replace(settings, eos_token_ids=frozenset(models.eos))
+    if not replays(cfg, models):
+        decoder = build_decoder(models.target_lm or models.target, models.drafter, settings)
+        for p in calibration.prompts[:prompts]:
+            yield p, decoder
+        return
+    layers = verified_layers(cfg, models, settings)
+    for i, p in enumerate(calibration.prompts[:prompts]):
+        yield p, build_decoder(calibration.teacher(i, layers, measurer), models.drafter, settings)
+
+
+def lookup_nodes(decoder) -> int | None:
+    """A hybrid's n-gram nodes so far (None: no lookup joined)."""
+    return getattr(getattr(decoder, "drafter", None), "lookup_nodes", None)
+
+
+def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
+                          prompts: int) -> dict:
+    """Decode calibration prompts with K = PLAN_MAX_K and count, per position, how often it was
+    accepted and how often proposed (a hybrid: its n-gram nodes a step)."""
+    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes)
+    accepted, proposed, per_prompt, hybrid = [], [], [], None
+    for i, (p, decoder) in enumerate(calibration_decoders(cfg, models, calibration, measurer, settings, prompts)):
+        measurer.doing(f"calibration: prompt {i + 1} of at most {prompts}")
+        before = lookup_nodes(decoder)
+        gen = decoder.generate(p.ids, cfg.max_new_tokens)
+        if before is not None:
+            hybrid = (hybrid or 0) + lookup_nodes(decoder) - before
+        accepted += gen.accepted_lengths
+        proposed += gen.proposed_lengths
+        per_prompt.append((len(gen.tokens), len(gen.accepted_lengths)))
+        measurer.tick()
+        if enough_prompts(per_prompt):
+            break
+    steps = max(1, len(accepted))
+    return {"per_position": [sum(a >= j for a in accepted) / steps for j in range(1, PLAN_MAX_K + 1)],
+            "proposal_rates": None if cfg.hybrid else [sum(m >= j for m in proposed) / steps
+                                                       for j in range(1, PLAN_MAX_K + 1)],
+            "prompts": len(per_prompt), "extra_tokens": hybrid / steps if hybrid is not None else 0.0, "by_k": None}
+
+
+def recorded_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
+                   prompts: int, depth: int, nodes: int, topk: int) -> tuple[list[TreeStep], float, int]:
+    """Calibration prompts decoded with the largest tree of this top-k, every step's candidates
+    recorded (`planning.TreeStep`): (the steps, a hybrid's n-gram nodes per step, prompts read)."""
+    settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
+    steps, per_prompt, lookups = [], [], 0
+    for i, (p, decoder) in enumerate(calibration_decoders(cfg, models, calibration, measurer, settings, prompts)):
+        measurer.doing(f"top-{topk} trees: prompt {i + 1} of at most {prompts}")
+        decoder.recorded = []
+        before = lookup_nodes(decoder) or 0
+        gen = decoder.generate(p.ids, cfg.max_new_tokens)
+        lookups += (lookup_nodes(decoder) or 0) - before
+        steps += decoder.recorded
+        per_prompt.append((len(gen.tokens), len(gen.accepted_lengths)))
+        measurer.tick()
+        if enough_prompts(per_prompt):
+            break
+    return steps, lookups / max(1, len(steps)), len(per_prompt)
+
+
+def tree_depth_nodes(cfg: EvalConfig, models: LoadedModels, topk: int, depth: int, nodes: int) -> int:
+    """The nodes a static tree holds cut to `depth` (its model's, a hybrid's lookup apart)."""
+    decoder = build_decoder(models.target_lm or models.target, models.drafter,
+                            cfg.decode_settings(k=depth, nodes=nodes, topk=topk))
+    drafter = decoder.drafter
+    return getattr(drafter, "model", drafter).max_nodes
+
+
+def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer, store: Store,
+                    depths: list[int], nodes: list[int], topks: list[int], dynamic: bool) -> dict:
+    """Every tree a plan weighs with its expected tokens a step and a hybrid's n-gram nodes beside
+    it (`planning.tree_table`, as [top-k, depth, nodes, tokens, nodes beside] rows), read off the
+    recorded steps of the largest tree of each top-k; kept in `store`."""
+    prompts = min(CALIBRATION_PROMPTS, len(calibration.prompts))
+
+    def record() -> dict:
+        steps, extra, read = {}, {}, []
+        for topk in topks:
+            steps[topk], extra[topk], used = recorded_trees(cfg, models, calibration, measurer, prompts, max(depths),
+                                                            max(nodes), topk)
+            read.append(used)
+        held: dict[tuple[int, int], int] = {}
+
+        def static_limit(k: int, d: int) -> int:
+            if (k, d) not in held:
+                held[(k, d)] = tree_depth_nodes(cfg, models, k, d, max(nodes))
+            return held[(k, d)]
+
+        table = tree_table(steps, depths, nodes, extra, tree_node_limit if dynamic else static_limit,
+                           depth_capped=dynamic and not cfg.hybrid)
+        return {"table": [[*key, *value] for key, value in sorted(table.items())], "extra_tokens": extra,
+                "prompts": max(read), "steps": sum(len(s) for s in steps.values())}
+
+    name = f"trees: depths {depths}, nodes {nodes}, top-k {topks}"
+    return measurer.measured(store, name, record, f"recording trees on up to {prompts} prompts",
+                             units=len(topks) * prompts)
+
+
+__all__ = ["CALIBRATION_PROMPTS", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "Calibration", "calibration_prompts",
+           "check_calibration", "drafter_acceptance", "read_calibration", "recorded_acceptance", "replays",
+           "tree_acceptance", "verified_layers", "walks"]
