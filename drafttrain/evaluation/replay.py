@@ -113,6 +113,9 @@ class ReplayConfig:
     dtype: str = setting("auto", "The drafts' dtype; auto is bfloat16 on CUDA, float32 on CPU.",
                          choices=DTYPE_CHOICES)
     device: str = setting("auto", "auto, cpu, cuda or cuda:N.")
+    plot: str | None = setting(None, "Also draw tau by output window into this PNG: one line per --draft and one for "
+                               "the report's own drafter (its by_window).", metavar="PNG")
+    overwrite: bool = setting(False, "Replace an existing --plot.")
     quiet: bool = setting(False, "No progress bar.")
 
 
@@ -319,10 +322,54 @@ def load_replay_draft(name: str, kind: DrafterKind, path: str, target, tokenizer
         raise UserError(f"--draft {name!r}: {e}") from e
 
 
+def check_plot_path(cfg: ReplayConfig) -> None:
+    """--plot is checked before any model loads: a run that cannot write its figure fails at once."""
+    if cfg.plot is None:
+        return
+    plot = Path(cfg.plot)
+    if plot.suffix.lower() != ".png":
+        raise UserError(f"--plot {cfg.plot!r}: name a .png file")
+    if not plot.parent.is_dir():
+        raise UserError(f"--plot {cfg.plot!r}: its directory {str(plot.parent)!r} does not exist; create it first")
+    if plot.exists() and not cfg.overwrite:
+        raise UserError(f"--plot {cfg.plot!r} already exists; pass --overwrite to replace it, or choose a new file")
+
+
+def window_series(outputs: ReportOutputs, results: list[ReplayResult]) -> dict[str, list[dict]]:
+    """tau by window per line of the plot: the report's own drafter as its report recorded it (at its
+    own K, decoded and not replayed), then every replayed draft."""
+    series = {}
+    recorded = outputs.report.get("by_window")
+    if isinstance(recorded, list) and recorded:
+        k = outputs.config.get("num_draft_tokens")
+        series[f"{outputs.report.get('drafter', 'report')} (report, K={k})"] = recorded
+    for r in results:
+        series[f"{r.name} (replayed, K={r.num_draft_tokens})"] = r.by_window
+    return series
+
+
+def save_window_plot(cfg: ReplayConfig, outputs: ReportOutputs, results: list[ReplayResult]) -> None:
+    """The figure written whole: drawn to a temporary file beside --plot, then moved over it."""
+    from .report import save_figure, window_figure
+
+    prompts = len(results[0].tokens) if results else 0
+    fig = window_figure(window_series(outputs, results), f"tau by output window ({cfg.acceptance_window} tokens)",
+                        f"greedy replay over {outputs.path}, {prompts} prompts, up to {results[0].max_new_tokens} "
+                        "new tokens")
+    plot = Path(cfg.plot)
+    partial = plot.with_name(f".{plot.name}.partial.png")
+    try:
+        save_figure(fig, partial)
+        partial.replace(plot)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
     from tqdm.auto import tqdm
 
     check_settings(cfg, flag_name)
+    check_plot_path(cfg)
     drafts = parse_drafts(cfg.draft)
     outputs = read_outputs(cfg.outputs)
     max_new = replay_max_new_tokens(cfg, outputs)
@@ -350,6 +397,8 @@ def run_replay(cfg: ReplayConfig, progress: bool = True) -> list[ReplayResult]:
         result.by_window = acceptance_by_window(gens, cfg.acceptance_window, cfg.num_draft_tokens)
         results.append(result)
         del drafter
+    if cfg.plot is not None:
+        save_window_plot(cfg, outputs, results)
     return results
 
 

@@ -118,3 +118,30 @@ def test_replay_gives_the_reports_windows(runs, capsys):
     lines = out.splitlines()[1:]
     assert lines == [f"  output tokens {w['start']}-{w['end']}: tau {w['tau']:.3f}, acceptance "
                      f"{w['acceptance']:.3f} ({w['prompts']} prompts, {w['steps']} steps)" for w in report["by_window"]]
+
+
+def test_replay_plots_the_reports_and_the_replayed_windows(runs, capsys):
+    from drafttrain.evaluation.replay import ReplayConfig, read_outputs, run_replay, window_series
+
+    cfg = ReplayConfig(target=str(runs / "target"), prompts=[str(runs / "p.jsonl")],
+                       outputs=str(runs / "cmp" / "ng" / "outputs.jsonl"), draft=[f"noisy={runs / 'draft'}"],
+                       num_draft_tokens=K, acceptance_window=WINDOW, dtype="float64", plot=str(runs / "w.png"))
+    results = run_replay(cfg, progress=False)
+    series = window_series(read_outputs(cfg.outputs), results)
+    decoded = json.loads((runs / "cmp" / "noisy" / "report.json").read_text())["by_window"]
+    lookup = json.loads((runs / "cmp" / "ng" / "report.json").read_text())["by_window"]
+    # The lookup's own windows as its report has them; the draft's, replayed over the lookup's (greedy,
+    # identical) outputs, are the windows the draft's own decode recorded.
+    assert series == {f"ng (report, K={K})": lookup, f"noisy (replayed, K={K})": decoded}
+    assert (runs / "w.png").read_bytes()[:4] == b"\x89PNG"
+    before = (runs / "w.png").read_bytes()
+    code, out, err = cli(capsys, ["replay", "--target", str(runs / "target"), "--prompts", str(runs / "p.jsonl"),
+                                  "--outputs", cfg.outputs, "--draft", f"noisy={runs / 'draft'}", "--plot",
+                                  str(runs / "w.png"), "--quiet"])
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: --plot") and "--overwrite" in err
+    assert (runs / "w.png").read_bytes() == before
+    code, _, err = cli(capsys, ["replay", "--target", str(runs / "target"), "--prompts", str(runs / "p.jsonl"),
+                                "--outputs", cfg.outputs, "--draft", f"noisy={runs / 'draft'}", "--plot",
+                                str(runs / "w.jpg"), "--quiet"])
+    assert code == 2 and err.startswith("error: --plot") and not (runs / "w.jpg").exists()
