@@ -3,7 +3,7 @@ the held-out acceptance its export recorded, or what it does on `--calibration-p
 
 What a plan reads of the calibration prompts, and why it is no more than the decision needs:
 - The target's greedy continuations of the calibration prompts are decoded once (and kept,
-  `plan_cache`), by n-gram lookup at K = `CONTINUATION_K` (lossless: the target's own greedy text,
+  `plan_cache`), by the first lookup (n-gram) at K = `CONTINUATION_K` (lossless: the target's own greedy text,
   quicker than the target alone), and shared by every drafter of the run. A greedy lookup walks them
   (`planning.walk_chain`: exact, its proposal being a function of the text): each lookup of the
   Gemma-3 demo decoded all 24 prompts itself, about 50 s each.
@@ -34,7 +34,7 @@ from ..errors import UserError
 from ..export import RECORD
 from ..kinds.base import Drafter
 from ..kinds.factory import build_decoder
-from ..kinds.registry import BY_NAME
+from ..kinds.registry import BY_NAME, LOOKUPS
 from ..planning import TreeStep, enough_prompts, tree_node_limit, tree_table, walk_chain, walked_rates
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
 from .config import PLAN_MAX_K, EvalConfig
@@ -130,7 +130,7 @@ class Calibration:
     def _decode(self, prompt: list[int]) -> list[int]:
         if self._decoder is None:
             settings = DecodeSettings(num_draft_tokens=CONTINUATION_K, eos_token_ids=frozenset(self.models.eos))
-            self._decoder = build_decoder(self.models.target_lm or self.models.target, Drafter("ngram"), settings)
+            self._decoder = build_decoder(self.models.target_lm or self.models.target, Drafter(LOOKUPS[0]), settings)
             self._decoder.warmup()
         return self._decoder.generate(prompt, self.cfg.max_new_tokens).tokens
 
