@@ -3,10 +3,21 @@ the held-out acceptance its export recorded, or what it does on `--calibration-p
 
 What a plan reads of the calibration prompts, and why it is no more than the decision needs:
 - The target's greedy continuations of the calibration prompts are decoded once (and kept,
-  `plan_cache`), by the first lookup (n-gram) at K = `CONTINUATION_K` (lossless: the target's own greedy text,
-  quicker than the target alone), and shared by every drafter of the run. A greedy lookup walks them
-  (`planning.walk_chain`: exact, its proposal being a function of the text): each lookup of the
-  Gemma-3 demo decoded all 24 prompts itself, about 50 s each.
+  `plan_cache`), and shared by every drafter of the run: each lookup of the Gemma-3 demo decoded
+  all 24 prompts itself, about 50 s each. A greedy lookup walks them (`planning.walk_chain`: exact,
+  its proposal being a function of the text).
+- They are decoded in one batch (`decoding.batch.BatchGenerator`: left-padded, greedy, at most
+  `CONTINUATION_BATCH` rows), all that the run's plans may read (`continuation_prompts`:
+  `LOOKUP_CALIBRATION_PROMPTS` where a lookup is planned, else `CALIBRATION_PROMPTS`). Decoded one
+  at a time by n-gram lookup at K = 3 they cost the Gemma-3 demo 58 s, 2.4 s a prompt on 2 cores,
+  each step reading the weights for one row; a batch's step reads them once for all its rows. A
+  drafter may stop before it reads them all (`enough_prompts`); the batch decodes them all anyway,
+  a row more in it costing a fraction of a prompt decoded alone later. Greedy rows equal each
+  prompt decoded alone in float64; in float32 (or lower) a row may take the other token at a near
+  tie (a batch's matmuls sum in another order than one row's), which only changes which text
+  calibration reads: the target's own greedy text still, to its rounding. A target the static
+  engine cannot run (`static_support`) is decoded a prompt at a time, as before: by the first
+  lookup (n-gram) at K = `CONTINUATION_K` (lossless, quicker than the target alone).
 - A model drafter decoding greedily on the eager engine is decoded against its target's
   continuations rather than the target (`decoding.engines.teacher`: one teacher-forced forward a
   prompt gives the target's hidden states; every verdict is read off the continuation): the very
@@ -28,7 +39,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..decoding import DecodeSettings, StaticLM
+from ..decoding import DecodeSettings, StaticLM, static_support
+from ..decoding.batch import BatchGenerator
 from ..decoding.engines.teacher import teacher_forced
 from ..errors import UserError
 from ..export import RECORD
@@ -37,6 +49,7 @@ from ..kinds.factory import build_decoder
 from ..kinds.registry import BY_NAME, LOOKUPS
 from ..planning import TreeStep, enough_prompts, tree_node_limit, tree_table, walk_chain, walked_rates
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
+from ..tokens import left_pad
 from .config import PLAN_MAX_K, EvalConfig
 from .loading import LoadedModels
 from .plan_cache import Measurer, Store
@@ -47,7 +60,8 @@ CALIBRATION_PROMPTS = 8  # prompts of --calibration-prompts decoded per model dr
 # prompt; 1.47 over prompts 13-20, 1.58 over 13-36, 1.84 over the first 12), and its calibration
 # is a walk over the target's continuations, with no draft model to run.
 LOOKUP_CALIBRATION_PROMPTS = 24
-CONTINUATION_K = 3  # n-gram lookup's K decoding the target's continuations (on 2 cores 4 tokens verify cheaply)
+CONTINUATION_K = 3  # n-gram lookup's K decoding a continuation alone (on 2 cores 4 tokens verify cheaply)
+CONTINUATION_BATCH = 32  # continuations decoded together, at most: the batch's cache grows with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,34 +119,67 @@ def calibration_prompts(cfg: EvalConfig, tokenizer, context_limit: int | None) -
                           context_limit=context_limit)
 
 
+def continuation_prompts(cfgs: list[EvalConfig]) -> int:
+    """How many calibration prompts' continuations the run's plans may read: a planned lookup walks
+    up to `LOOKUP_CALIBRATION_PROMPTS` (`walks`), a model drafter replays up to `CALIBRATION_PROMPTS`."""
+    lookup = any(cfg.num_draft_tokens == "auto" and walks(cfg) for cfg in cfgs)
+    return LOOKUP_CALIBRATION_PROMPTS if lookup else CALIBRATION_PROMPTS
+
+
 class Calibration:
     """What the plans of one run share about its calibration prompts: the target's greedy
-    continuations (decoded once, kept in `store`) and its teacher-forced targets along them."""
+    continuations (decoded once, the first `needed` of them together, kept in `store`) and its
+    teacher-forced targets along them."""
 
-    def __init__(self, cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedPrompt], store: Store):
+    def __init__(self, cfg: EvalConfig, models: LoadedModels, prompts: list[EncodedPrompt], store: Store,
+                 needed: int = CALIBRATION_PROMPTS):
         self.cfg, self.models, self.prompts, self.store = cfg, models, prompts, store
+        self.needed = needed
         self._teachers: dict[tuple[int, tuple[int, ...]], object] = {}
         self._decoder = None
 
     def continuation(self, i: int, measurer: Measurer) -> list[int]:
-        """The target's greedy continuation of calibration prompt `i`, decoding those before it
-        that no drafter needed yet. Read inside a drafter's calibration only: the plan rests on
-        that calibration, measured when it was."""
+        """The target's greedy continuation of calibration prompt `i`; where it is not decoded yet,
+        those of every prompt up to the `needed`-th (or the `i`-th) not decoded yet, in one batch.
+        Read inside a drafter's calibration only: the plan rests on that calibration, measured when
+        it was."""
         found = self.store.get("continuations")
         done = found[0] if found is not None else []
-        for j in range(len(done), i + 1):
-            measurer.doing(f"the target's greedy continuation of calibration prompt {j + 1}")
-            done = [*done, self._decode(self.prompts[j].ids)]
+        if i >= len(done):
+            missing = self.prompts[len(done):max(i + 1, min(self.needed, len(self.prompts)))]
+            done = [*done, *self._decode([p.ids for p in missing], measurer)]
             self.store.put("continuations", done)
-            measurer.tick()
         return done[i]
 
-    def _decode(self, prompt: list[int]) -> list[int]:
+    def _decode(self, prompts: list[list[int]], measurer: Measurer) -> list[list[int]]:
+        """The target's greedy continuations of `prompts`: in batches on the static engine, else
+        (a target it cannot run) one at a time."""
+        max_length = max(len(p) for p in prompts) + self.cfg.max_new_tokens
+        if static_support(self.models.target, max_length) is not None:
+            return [self._decode_alone(p, measurer) for p in prompts]
+        batches = "in one batch" if len(prompts) <= CONTINUATION_BATCH else f"in batches of {CONTINUATION_BATCH}"
+        measurer.doing(f"the target's greedy continuations of {len(prompts)} calibration prompts, {batches}")
+        generator = continuation_generator(self.models.target, min(len(prompts), CONTINUATION_BATCH), max_length)
+        done = []
+        for start in range(0, len(prompts), CONTINUATION_BATCH):
+            chunk = prompts[start:start + CONTINUATION_BATCH]
+            ids, mask = left_pad(chunk, 0, generator.device)  # padding is masked out: any id does
+            done += generator.generate(ids, mask, max_new_tokens=self.cfg.max_new_tokens,
+                                       eos_token_ids=sorted(self.models.eos))[0]
+            measurer.tick(len(chunk))
+        return done
+
+    def _decode_alone(self, prompt: list[int], measurer: Measurer) -> list[int]:
+        """One continuation by the first lookup (n-gram) at K = `CONTINUATION_K`: the target's own
+        greedy text (lossless), quicker than the target alone."""
+        measurer.doing("the target's greedy continuation of a calibration prompt")
         if self._decoder is None:
             settings = DecodeSettings(num_draft_tokens=CONTINUATION_K, eos_token_ids=frozenset(self.models.eos))
             self._decoder = build_decoder(self.models.target_lm or self.models.target, Drafter(LOOKUPS[0]), settings)
             self._decoder.warmup()
-        return self._decoder.generate(prompt, self.cfg.max_new_tokens).tokens
+        tokens = self._decoder.generate(prompt, self.cfg.max_new_tokens).tokens
+        measurer.tick()
+        return tokens
 
     def teacher(self, i: int, layers: tuple[int, ...], measurer: Measurer):
         """The target along prompt `i` and its continuation (`decoding.engines.teacher`), with its
@@ -142,6 +189,16 @@ class Calibration:
             measurer.doing(f"the target's hidden states along calibration prompt {i + 1}")
             self._teachers[(i, layers)] = teacher_forced(self.models.target, self.prompts[i].ids + continuation, layers)
         return self._teachers[(i, layers)]
+
+
+def continuation_generator(target, batch_size: int, max_length: int) -> BatchGenerator:
+    """A batch generator on the run's target (the HF model the run's engine wraps: its weights are
+    not loaded again; the generator's own cache and fused weights go when it does). Uncompiled on
+    a CPU, where compiling costs more than one batch's decode saves; on CUDA, its default (CUDA
+    graphs: the batch's steps are many and small)."""
+    device = next(target.parameters()).device
+    return BatchGenerator(target, batch_size=batch_size, max_length=max_length,
+                          compile=False if device.type == "cpu" else None)
 
 
 def replays(cfg: EvalConfig, models: LoadedModels) -> bool:
@@ -320,6 +377,6 @@ def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibrat
                              units=len(topks) * prompts)
 
 
-__all__ = ["CALIBRATION_PROMPTS", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "Calibration", "calibration_prompts",
-           "check_calibration", "drafter_acceptance", "read_calibration", "recorded_acceptance", "replays",
-           "tree_acceptance", "verified_layers", "walks"]
+__all__ = ["CALIBRATION_PROMPTS", "CONTINUATION_BATCH", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "Calibration",
+           "calibration_prompts", "check_calibration", "continuation_prompts", "drafter_acceptance", "read_calibration",
+           "recorded_acceptance", "replays", "tree_acceptance", "verified_layers", "walks"]

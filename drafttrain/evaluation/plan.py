@@ -58,7 +58,8 @@ from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, fallback_plan, imp
 from ..prompts import EncodedPrompt
 from ..trees import TREE_CHOICES
 from .calibration import (CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS, Acceptance, Calibration,
-                          calibration_prompts, check_calibration, drafter_acceptance, tree_acceptance, verified_layers)
+                          calibration_prompts, check_calibration, continuation_prompts, drafter_acceptance,
+                          tree_acceptance, verified_layers)
 from .config import PLAN_MAX_K, PLAN_MAX_NODES, PLAN_PROBE_TOKENS, EvalConfig
 from .costs import forward_curve
 from .loading import LoadedModels
@@ -475,9 +476,10 @@ def decode_settings_key(cfg: EvalConfig) -> dict:
 class PlanRun:
     """What the plans of one run share: the cache (`plan_cache`), its keys' parts that every drafter
     shares (the target's fingerprint, the calibration set's content), and the calibration prompts'
-    continuations (`calibration.Calibration`)."""
+    continuations (`calibration.Calibration`: the first `continuations` of them decoded together)."""
 
-    def __init__(self, cfg: EvalConfig, models: LoadedModels, calibration: list[EncodedPrompt]):
+    def __init__(self, cfg: EvalConfig, models: LoadedModels, calibration: list[EncodedPrompt],
+                 continuations: int = CALIBRATION_PROMPTS):
         self.started = now()
         self.target = weights_fingerprint(cfg.target)
         self.cache = PlanCache(plans_home(), replan=cfg.replan)
@@ -488,7 +490,7 @@ class PlanRun:
         store = self.cache.acceptance(acceptance_key(self.target, "the target alone", self.calibration_set,
                                                      {"max_new_tokens": cfg.max_new_tokens, "eos": sorted(models.eos)},
                                                      self.dtype, self.device))
-        self.calibration = Calibration(cfg, models, calibration, store) if calibration else None
+        self.calibration = Calibration(cfg, models, calibration, store, continuations) if calibration else None
 
     def drafter(self, cfg: EvalConfig, models: LoadedModels, bar) -> DrafterPlanning:
         identity = drafter_key(cfg)
@@ -533,7 +535,7 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: l
             planned.append(dataclasses.replace(cfg, num_draft_tokens=0, tree_nodes=None))
             blocks.append(None)
             continue
-        run = run or PlanRun(cfgs[0], models[0], calibration)
+        run = run or PlanRun(cfgs[0], models[0], calibration, continuation_prompts(cfgs))
         with tqdm(total=expected_units(cfg, m, probes, len(calibration)), desc=f"plan {cfg.drafter_name}",
                   unit="step", disable=not progress) as bar:
             planning = run.drafter(cfg, m, bar)
