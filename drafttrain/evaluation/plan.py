@@ -22,6 +22,9 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
   (n-gram and suffix lookup; EAGLE-3 and EAGLE-3 + n-gram), and kept with all the rest under
   `$DRAFTTRAIN_HOME/plans` (`plan_cache`): a second identical run measures nothing. `--replan`
   measures afresh. The drafter's share of a chain step is measured in rounds of its own.
+- Rounds of a chain's costs: two, and a third only where the two disagree (any cost's round medians
+  more than `ROUND_AGREEMENT`, 5%, apart): on a quiet machine a third could not move the plan.
+  The target's rounds were 33 s of the Gemma-3 demo's plans.
 - Acceptance: see `evaluation.calibration` (the target's continuations decoded once; model drafters
   replayed against them instead of verified by the target; prompts read until the confidence
   interval is tight).
@@ -70,7 +73,14 @@ from .report import weights_fingerprint
 TOPK_CHOICES = (1, 2, 4, 8)  # EAGLE-2 top-k weighed by --tree-nodes auto, up to --tree-topk
 STEP_PROBE_TOKENS = PLAN_PROBE_TOKENS  # tokens decoded on the probe prompt to time a tree's steps
 WARM_STEPS = 2  # a whole step's first timed steps left out (caches, allocator)
-COST_ROUNDS = 3  # interleaved rounds of every chain cost, at every probe
+COST_ROUNDS = 3  # interleaved rounds of every chain cost, at every probe, at most
+MIN_COST_ROUNDS = 2  # rounds every chain cost takes; the rest only where these disagree (`agreeing`)
+# Round medians within 5% of each other measured a quiet machine: a cost kept as the median of its
+# rounds lies between two of them whatever a third says (the median of three lies between the other
+# two; the verification curve, a median of every round's timings, about so), so a third round moves
+# it by about their spread at most, a third of the 15% a plan is to come within of its measurement.
+# A busy machine's rounds disagree by more, and get the third.
+ROUND_AGREEMENT = 0.05
 ROUND_REPEATS = 3  # timed repeats of each cost per round
 COST_ATTEMPTS = 2  # measurements of impossible costs (`planning.implausible`) before a plan falls back
 PROBE_BUCKETS = 3  # prompt-length buckets whose mid-decode costs a plan averages
@@ -179,6 +189,44 @@ def target_round(cfg: EvalConfig, models: LoadedModels, ids: list[int], layers: 
     return verify, loop_overhead(models, ids, median(verify[0]))
 
 
+def agreeing(series: list[list[float]]) -> bool:
+    """Whether every cost's round medians (`series`: one list per cost, a median per round) lie within
+    `ROUND_AGREEMENT` of their median."""
+    return all(max(s) - min(s) <= ROUND_AGREEMENT * median(s) for s in series)
+
+
+def interleaved_rounds(one_round, series) -> list:
+    """`one_round(r)` for r = 0, 1, ..: `MIN_COST_ROUNDS` rounds, then more, up to `COST_ROUNDS`, while
+    their costs (`series(rounds)`: one list per cost, a median per round) disagree (`agreeing`)."""
+    rounds: list = []
+    while len(rounds) < MIN_COST_ROUNDS or (len(rounds) < COST_ROUNDS and not agreeing(series(rounds))):
+        rounds.append(one_round(len(rounds)))
+    return rounds
+
+
+def round_label(r: int) -> str:
+    """Round r's place on the progress line: the rounds to come are known only after the first ones."""
+    return f"round {r + 1} of {COST_ROUNDS if r >= MIN_COST_ROUNDS else f'{MIN_COST_ROUNDS}-{COST_ROUNDS}'}"
+
+
+def target_series(rounds: list) -> list[list[float]]:
+    """A chain's target costs, one list of round medians each (`agreeing`): at every probe, the
+    forward of each size and a plain step (a one-token forward and the loop's overhead: the
+    overhead alone is a small difference of two timings, whose relative spread says little of a
+    step's cost)."""
+    out = []
+    for p in range(len(rounds[0])):
+        out += [[median(r[p][0][n]) for r in rounds] for n in range(len(rounds[0][p][0]))]
+        out.append([median(r[p][0][0]) + r[p][1] for r in rounds])
+    return out
+
+
+def drafter_series(rounds: list) -> list[list[float]]:
+    """A chain drafter's costs, one list of its rounds' seconds each (`agreeing`): drafting each k at
+    every probe."""
+    return [[r[p][0][k] for r in rounds] for p in range(len(rounds[0])) for k in range(len(rounds[0][p][0]))]
+
+
 def round_noise(rounds: list[list[list[float]]]) -> list[str]:
     """A busy machine: the rounds' medians at a probe disagree (a spike within a round is left to
     its median). `rounds[r][n]`: round r's timings of n + 1 tokens."""
@@ -186,24 +234,24 @@ def round_noise(rounds: list[list[list[float]]]) -> list[str]:
 
 
 def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: int, fresh: bool) -> list:
-    """The target's chain costs at every probe in `COST_ROUNDS` interleaved rounds (a machine that
-    slows down mid-measurement hits every size and the overhead alike): `[round][probe]` = (verify
-    timings by size, overhead). Shared by every drafter verifying with the same hidden layers and
+    """The target's chain costs at every probe in 2 or 3 interleaved rounds (`interleaved_rounds`; a
+    machine that slows down mid-measurement hits every size and the overhead alike): `[round][probe]`
+    = (verify timings by size, overhead). Shared by every drafter verifying with the same hidden layers and
     sizes."""
     cfg, models = plan.cfg, plan.models
     layers = verified_layers(cfg, models, cfg.decode_settings(k=max_k, nodes=cfg.max_tree_nodes))
     sizes = max_k + 1 + (max_k if cfg.hybrid else 0)
 
+    def one_round(r: int) -> list:
+        timings = []
+        for ids in probes:
+            plan.measurer.doing(f"target: forwards of 1 .. {sizes} tokens at {len(ids)} ({round_label(r)})")
+            timings.append(target_round(cfg, models, ids, layers, sizes))
+            plan.measurer.tick()
+        return timings
+
     def measure():
-        rounds = []
-        for r in range(COST_ROUNDS):
-            rounds.append([])
-            for ids in probes:
-                plan.measurer.doing(f"target: forwards of 1 .. {sizes} tokens at {len(ids)} (round {r + 1} of "
-                                    f"{COST_ROUNDS})")
-                rounds[-1].append(target_round(cfg, models, ids, layers, sizes))
-                plan.measurer.tick()
-        return rounds
+        return interleaved_rounds(one_round, target_series)
 
     name = f"chain target: layers {list(layers)}, 1 .. {sizes} tokens at {[len(p) for p in probes]}"
     return plan.measured(plan.costs, name, measure, f"target: forwards of 1 .. {sizes} tokens",
@@ -212,20 +260,20 @@ def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: i
 
 def chain_drafter_rounds(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance, max_k: int,
                          fresh: bool) -> list:
-    """The drafter's share of a chain step drafting 0 .. max_k at every probe, in `COST_ROUNDS`
-    rounds: `[round][probe]` = (seconds by k, noise warnings)."""
+    """The drafter's share of a chain step drafting 0 .. max_k at every probe, in 2 or 3 rounds
+    (`interleaved_rounds`): `[round][probe]` = (seconds by k, noise warnings)."""
     cfg, models = plan.cfg, plan.models
 
+    def one_round(r: int) -> list:
+        seconds = []
+        for ids in probes:
+            plan.measurer.doing(f"{cfg.drafter_name}: drafting 1 .. {max_k} at {len(ids)} ({round_label(r)})")
+            seconds.append(drafter_seconds(cfg, models, ids, acceptance, max_k))
+            plan.measurer.tick()
+        return seconds
+
     def measure():
-        rounds = []
-        for r in range(COST_ROUNDS):
-            rounds.append([])
-            for ids in probes:
-                plan.measurer.doing(f"{cfg.drafter_name}: drafting 1 .. {max_k} at {len(ids)} (round {r + 1} of "
-                                    f"{COST_ROUNDS})")
-                rounds[-1].append(drafter_seconds(cfg, models, ids, acceptance, max_k))
-                plan.measurer.tick()
-        return rounds
+        return interleaved_rounds(one_round, drafter_series)
 
     name = (f"chain drafter {plan.drafter}: 1 .. {max_k} at {[len(p) for p in probes]}, acceptance "
             f"{content_hash(acceptance.per_position)}")
@@ -234,29 +282,30 @@ def chain_drafter_rounds(plan: DrafterPlanning, probes: list[list[int]], accepta
 
 
 def measure_chain_costs(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance, max_k: int,
-                        fresh: bool = False) -> Costs:
+                        fresh: bool = False) -> tuple[Costs, dict]:
     """Every chain cost at every probe: each the median of its rounds at a probe, then the mean
-    over the probes (equal-size buckets of the run's prompts)."""
+    over the probes (equal-size buckets of the run's prompts); and the rounds each took."""
     target = chain_target_rounds(plan, probes, max_k, fresh)
     drafter = chain_drafter_rounds(plan, probes, acceptance, max_k, fresh)
     verify = [[[t for r in target for t in r[p][0][n]] for n in range(len(target[0][p][0]))] for p in range(len(probes))]
     noise = sorted({w for p in range(len(probes)) for w in round_noise([r[p][0] for r in target])}
                    | {w for r in drafter for _, warnings in r for w in warnings})
-    return Costs(tuple(fmean(median(v[n]) for v in verify) for n in range(len(verify[0]))),
-                 tuple(fmean(median(r[p][0][k] for r in drafter) for p in range(len(probes))) for k in range(max_k + 1)),
-                 fmean(median(r[p][1] for r in target) for p in range(len(probes))), tuple(noise))
+    costs = Costs(tuple(fmean(median(v[n]) for v in verify) for n in range(len(verify[0]))),
+                  tuple(fmean(median(r[p][0][k] for r in drafter) for p in range(len(probes))) for k in range(max_k + 1)),
+                  fmean(median(r[p][1] for r in target) for p in range(len(probes))), tuple(noise))
+    return costs, {"target": len(target), "drafter": len(drafter)}
 
 
 def trusted_chain_costs(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance,
-                        max_k: int) -> tuple[Costs, list[str]]:
+                        max_k: int) -> tuple[Costs, list[str], dict]:
     """The chain costs, measured again (up to `COST_ATTEMPTS` times, never from the cache) while
-    `planning.implausible` finds them impossible; and its reasons where they stayed so."""
+    `planning.implausible` finds them impossible; its reasons where they stayed so; the rounds taken."""
     for attempt in range(COST_ATTEMPTS):
-        costs = measure_chain_costs(plan, probes, acceptance, max_k, fresh=attempt > 0)
+        costs, rounds = measure_chain_costs(plan, probes, acceptance, max_k, fresh=attempt > 0)
         doubts = implausible(costs, draft_forwards(plan.cfg, plan.models, acceptance, max_k))
         if not doubts:
             break
-    return costs, doubts
+    return costs, doubts, rounds
 
 
 def no_tree_reason(cfg: EvalConfig) -> str | None:
@@ -286,11 +335,11 @@ def plan_drafter(plan: DrafterPlanning, probes: list[list[int]]) -> tuple[Plan, 
     start = time.perf_counter()
     acceptance = drafter_acceptance(cfg, models, plan.calibration, plan.measurer, plan.acceptance)
     max_k = min(PLAN_MAX_K, len(acceptance.per_position))
-    costs, doubts = trusted_chain_costs(plan, probes, acceptance, max_k)
+    costs, doubts, rounds = trusted_chain_costs(plan, probes, acceptance, max_k)
     chosen = fallback_plan() if doubts else plan_chain(acceptance.per_position, costs, acceptance.proposal_rates,
                                                        max_k, acceptance.extra_tokens, acceptance.by_k)
     block = {"num_draft_tokens": chosen.num_draft_tokens, "tree_nodes": None, "tree_topk": None,
-             "costs": {**costs.as_dict(), "context_lengths": [len(ids) for ids in probes], "rounds": COST_ROUNDS},
+             "costs": {**costs.as_dict(), "context_lengths": [len(ids) for ids in probes], "rounds": rounds},
              "untrusted": doubts,
              "planned_speedup": chosen.planned_speedup, "expected_tokens": chosen.expected_tokens,
              "source": acceptance.source, "acceptance": acceptance.per_position,

@@ -284,6 +284,7 @@ def test_costs_that_cannot_be_the_machines_fall_back_to_the_target_alone(setup, 
     (never slower than itself) with one warning, not speculation sized on noise."""
     from drafttrain.evaluation import plan as planner
 
+    monkeypatch.setattr(planner, "ROUND_AGREEMENT", -1.0)  # every round measured: the count below is exact
     calls = []
     if impossible == "overhead":
         monkeypatch.setattr(planner, "loop_overhead", lambda *a, **k: calls.append(1) or 2.15)
@@ -328,5 +329,59 @@ def test_costs_are_measured_over_the_context_lengths_the_run_decodes(setup, tmp_
     plan, _ = planned_with(setup, tmp_path, capsys, prompts=mixed)
     contexts = plan["costs"]["context_lengths"]
     assert contexts == [2 + 6, 18 + 6, 40 + 6]  # each bucket's prompt, halfway through its 12 new tokens
-    assert sorted(set(lengths)) == contexts and len(lengths) == planner.COST_ROUNDS * len(contexts)
+    rounds = plan["costs"]["rounds"]["target"]
+    assert sorted(set(lengths)) == contexts and len(lengths) == rounds * len(contexts)
+    assert planner.MIN_COST_ROUNDS <= rounds <= planner.COST_ROUNDS
     assert all(s > 0 for s in plan["costs"]["draft_seconds"][1:])  # the lookup's host time
+
+
+def injected_costs(monkeypatch, spread: float) -> list[str]:
+    """Every chain cost timed as a machine whose every other measurement runs `spread` slower (0: a
+    quiet one): what is timed, in order."""
+    from drafttrain.evaluation import plan as planner
+
+    timed = []
+
+    def factor() -> float:
+        timed.append(1)
+        return 1 + spread * (len(timed) % 2)
+
+    def target_round(cfg, models, ids, layers, sizes):
+        f = factor()
+        return [[0.010 * (1 + 0.1 * n) * f] * 3 for n in range(sizes)], 0.001 * f
+
+    def drafter_seconds(cfg, models, ids, acceptance, max_k):
+        f = factor()
+        return [0.0] + [1e-4 * k * f for k in range(1, max_k + 1)], []
+
+    monkeypatch.setattr(planner, "target_round", target_round)
+    monkeypatch.setattr(planner, "drafter_seconds", drafter_seconds)
+    return timed
+
+
+@pytest.mark.parametrize("spread, rounds", [(0.0, 2), (0.02, 2), (0.3, 3)])
+def test_a_quiet_machines_costs_take_two_rounds_and_a_noisy_ones_three(setup, tmp_path, capsys, monkeypatch, spread,
+                                                                        rounds):
+    """Two rounds whose medians agree within `ROUND_AGREEMENT` measured a quiet machine: a third
+    could not move a cost by more than they differ. Where they disagree, the third is measured."""
+    from drafttrain.evaluation import plan as planner
+
+    timed = injected_costs(monkeypatch, spread)
+    plan, _ = planned_with(setup, tmp_path, capsys)
+    probes = len(plan["costs"]["context_lengths"])
+    assert plan["costs"]["rounds"] == {"target": rounds, "drafter": rounds}
+    assert len(timed) == 2 * rounds * probes and planner.ROUND_AGREEMENT == 0.05
+
+
+def test_rounds_agree_within_the_tolerance_of_every_cost():
+    """`agreeing`: every cost's round medians, each within 5% of their median; one cost apart is enough for a third."""
+    from drafttrain.evaluation import plan as planner
+
+    assert planner.agreeing([[1.0, 1.04], [0.0, 0.0], [2.0, 2.0]])
+    assert not planner.agreeing([[1.0, 1.04], [1.0, 1.06]])
+    quiet = planner.interleaved_rounds(lambda r: 1.0 + 0.01 * r, lambda rounds: [rounds])
+    noisy = planner.interleaved_rounds(lambda r: 1.0 + 0.2 * r, lambda rounds: [rounds])
+    assert quiet == [1.0, 1.01] and noisy == [1.0, 1.2, 1.4]
+    target = [[([[0.010, 0.011, 0.012]], 0.001)], [([[0.0101, 0.0109, 0.0121]], 0.002)]]  # [round][probe]
+    series = planner.target_series(target)  # a one-token forward's round medians, and a plain step's
+    assert series == [[0.011, 0.0109], [pytest.approx(0.012), pytest.approx(0.0129)]]
