@@ -21,7 +21,7 @@ import torch
 
 from ..tokens import cut_at_eos, left_pad, pad_token_id
 from .config import DataConfig
-from .sampling import prompt_seeds, sampling_kwargs
+from .sampling import TopkRecorder, prompt_seeds, sampling_kwargs
 
 FIRST_PROBE = 8     # smaller batches never won (SmolLM2, 2 CPU cores: 1: 24, 4: 57, 8: 107 tokens/s) and cost the most
 MAX_BATCH = 512     # past this, a GPU gains little on drafters' targets, and the chunks get too few to share
@@ -158,16 +158,14 @@ class EngineWriter:
                                    eos_token_ids=self.eos_ids, temperature=cfg.response_temperature,
                                    top_p=cfg.response_top_p, seeds=torch.tensor(seeds), topk=k)
         width = input_ids.shape[1]
+        recorder = TopkRecorder(k) if k else None  # each step's top-k, not its whole vocabulary row
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=k > 0,
-            **sampling_kwargs(seeds, width, cfg.response_temperature, cfg.response_top_p))
-        if not k:
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, return_dict_in_generate=True,
+            **sampling_kwargs(seeds, width, cfg.response_temperature, cfg.response_top_p, recorder))
+        if recorder is None:
             return out.sequences[:, width:].tolist(), None, None
-        logits = torch.stack(out.logits, dim=1)  # [B, steps, V], unprocessed
-        logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
-        values, indices = logprobs.topk(k, dim=-1)
-        return out.sequences[:, width:].tolist(), values.float().cpu(), indices.cpu()
+        return out.sequences[:, width:].tolist(), *recorder.stacked()
 
     def close(self) -> None:
         self.static, self.kept, self.probed = None, None, {}
