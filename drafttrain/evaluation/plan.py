@@ -233,6 +233,20 @@ def round_noise(rounds: list[list[list[float]]]) -> list[str]:
     return noisy([[median(r[n]) for r in rounds] for n in range(len(rounds[0]))])
 
 
+def rounds_at_probes(plan: DrafterPlanning, probes: list[list[int]], what: str, at_probe, series) -> list:
+    """`at_probe(ids)` at every probe, round after round (`interleaved_rounds`, `series` telling
+    whether they agree), each on the progress line as `what` at the probe's length: `[round][probe]`."""
+    def one_round(r: int) -> list:
+        measured = []
+        for ids in probes:
+            plan.measurer.doing(f"{what} at {len(ids)} ({round_label(r)})")
+            measured.append(at_probe(ids))
+            plan.measurer.tick()
+        return measured
+
+    return interleaved_rounds(one_round, series)
+
+
 def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: int, fresh: bool) -> list:
     """The target's chain costs at every probe in 2 or 3 interleaved rounds (`interleaved_rounds`; a
     machine that slows down mid-measurement hits every size and the overhead alike): `[round][probe]`
@@ -242,16 +256,9 @@ def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: i
     layers = verified_layers(cfg, models, cfg.decode_settings(k=max_k, nodes=cfg.max_tree_nodes))
     sizes = max_k + 1 + (max_k if cfg.hybrid else 0)
 
-    def one_round(r: int) -> list:
-        timings = []
-        for ids in probes:
-            plan.measurer.doing(f"target: forwards of 1 .. {sizes} tokens at {len(ids)} ({round_label(r)})")
-            timings.append(target_round(cfg, models, ids, layers, sizes))
-            plan.measurer.tick()
-        return timings
-
     def measure():
-        return interleaved_rounds(one_round, target_series)
+        return rounds_at_probes(plan, probes, f"target: forwards of 1 .. {sizes} tokens",
+                                lambda ids: target_round(cfg, models, ids, layers, sizes), target_series)
 
     name = f"chain target: layers {list(layers)}, 1 .. {sizes} tokens at {[len(p) for p in probes]}"
     return plan.measured(plan.costs, name, measure, f"target: forwards of 1 .. {sizes} tokens",
@@ -264,16 +271,9 @@ def chain_drafter_rounds(plan: DrafterPlanning, probes: list[list[int]], accepta
     (`interleaved_rounds`): `[round][probe]` = (seconds by k, noise warnings)."""
     cfg, models = plan.cfg, plan.models
 
-    def one_round(r: int) -> list:
-        seconds = []
-        for ids in probes:
-            plan.measurer.doing(f"{cfg.drafter_name}: drafting 1 .. {max_k} at {len(ids)} ({round_label(r)})")
-            seconds.append(drafter_seconds(cfg, models, ids, acceptance, max_k))
-            plan.measurer.tick()
-        return seconds
-
     def measure():
-        return interleaved_rounds(one_round, drafter_series)
+        return rounds_at_probes(plan, probes, f"{cfg.drafter_name}: drafting 1 .. {max_k}",
+                                lambda ids: drafter_seconds(cfg, models, ids, acceptance, max_k), drafter_series)
 
     name = (f"chain drafter {plan.drafter}: 1 .. {max_k} at {[len(p) for p in probes]}, acceptance "
             f"{content_hash(acceptance.per_position)}")
