@@ -161,10 +161,10 @@ def test_vllm_under_load_keeps_every_output_and_its_acceptance(exports, tmp_path
         assert one["requests"] == four["requests"] == 4
         assert four["output_tokens"] == one["output_tokens"] == report["overall"]["new_tokens"]
         assert one["outputs_match_plain"] == four["outputs_match_plain"] == 1.0
-        # A lookup's proposals are a function of the text: exactly the same steps. A draft model's forward
-        # runs batch-variant kernels in vLLM (4 rows, not 1): a near tie can flip one of its proposals,
-        # never an output (2.0 against 2.04 seen once on 2 cores).
-        assert four["tau"] == pytest.approx(one["tau"], rel=0 if name == "ngram" else 0.05)
+        # Within 5%, not equal: with 4 requests in flight vLLM's steps are not one request's (n-gram's tau was
+        # 2.0 against 2.04 once on 2 cores, its outputs identical; a draft model's kernels are batch-variant
+        # too), and what it records of a request's steps follows its scheduling. Outputs stay exact.
+        assert four["tau"] == pytest.approx(one["tau"], rel=0.05)
         assert four["speedup"] is not None and four["baseline_tokens_per_s"] > 0
         windows = report["by_window"]
         assert sum(w["steps"] for w in windows) <= report["overall"]["target_forwards"]
