@@ -141,25 +141,33 @@ class Calibration:
 
     def continuation(self, i: int, measurer: Measurer) -> list[int]:
         """The target's greedy continuation of calibration prompt `i`; where it is not decoded yet,
-        those of every prompt up to the `needed`-th (or the `i`-th) not decoded yet, in one batch.
-        Read inside a drafter's calibration only: the plan rests on that calibration, measured when
-        it was."""
+        those of every prompt up to the `needed`-th (or the `i`-th) not decoded yet, in one batch;
+        a target the static engine cannot run decodes only up to the `i`-th, a prompt at a time
+        (a drafter may stop before it reads them all: `enough_prompts`). Read inside a drafter's
+        calibration only: the plan rests on that calibration, measured when it was."""
         found = self.store.get("continuations")
         done = found[0] if found is not None else []
         if i >= len(done):
-            missing = self.prompts[len(done):max(i + 1, min(self.needed, len(self.prompts)))]
-            done = [*done, *self._decode([p.ids for p in missing], measurer)]
+            batched = self._batchable()
+            end = max(i + 1, min(self.needed, len(self.prompts))) if batched else i + 1
+            missing = [p.ids for p in self.prompts[len(done):end]]
+            done = [*done, *(self._decode_batched(missing, measurer) if batched else
+                             [self._decode_alone(ids, measurer) for ids in missing])]
             self.store.put("continuations", done)
         return done[i]
 
-    def _decode(self, prompts: list[list[int]], measurer: Measurer) -> list[list[int]]:
-        """The target's greedy continuations of `prompts`: in batches on the static engine, else
-        (a target it cannot run) one at a time."""
-        max_length = max(len(p) for p in prompts) + self.cfg.max_new_tokens
-        if static_support(self.models.target, max_length) is not None:
-            return [self._decode_alone(p, measurer) for p in prompts]
+    def _max_length(self) -> int:
+        return max(len(p.ids) for p in self.prompts) + self.cfg.max_new_tokens
+
+    def _batchable(self) -> bool:
+        """Whether the static engine runs this target (`BatchGenerator` is built on it)."""
+        return static_support(self.models.target, self._max_length()) is None
+
+    def _decode_batched(self, prompts: list[list[int]], measurer: Measurer) -> list[list[int]]:
+        """The target's greedy continuations of `prompts`, `CONTINUATION_BATCH` rows at a time."""
         batches = "in one batch" if len(prompts) <= CONTINUATION_BATCH else f"in batches of {CONTINUATION_BATCH}"
         measurer.doing(f"the target's greedy continuations of {len(prompts)} calibration prompts, {batches}")
+        max_length = max(len(p) for p in prompts) + self.cfg.max_new_tokens
         generator = continuation_generator(self.models.target, min(len(prompts), CONTINUATION_BATCH), max_length)
         done = []
         for start in range(0, len(prompts), CONTINUATION_BATCH):

@@ -1,7 +1,7 @@
 """The target's greedy continuations of the calibration prompts (`evaluation.calibration`): decoded
 in one batch, all the prompts the run may calibrate on, each equal to the prompt decoded alone (a
 float64 target); kept in the plan cache, where a later read decodes only what is missing; a target
-the static engine cannot run decodes them one at a time, with the same text."""
+the static engine cannot run decodes them one at a time, no further than asked, with the same text."""
 
 from __future__ import annotations
 
@@ -97,6 +97,8 @@ def test_batches_are_capped(target, batches, monkeypatch):
 def test_a_target_the_static_engine_cannot_run_is_decoded_one_prompt_at_a_time(target, batches, monkeypatch):
     monkeypatch.setattr(calibrating, "static_support", lambda *a: "not a model the static engine runs")
     cal = calibration(target)
+    assert cal.continuation(1, Measurer(now())) == alone(target, PROMPTS[1])
+    assert len(cal.store.get("continuations")[0]) == 2  # no further than asked: a drafter may stop there
     assert [cal.continuation(i, Measurer(now())) for i in range(len(PROMPTS))] == [alone(target, p) for p in PROMPTS]
     assert batches == []
 
