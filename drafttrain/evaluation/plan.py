@@ -655,5 +655,4 @@ def served_settings(k: int, where: str, drafter) -> dict:
     return out
 
 
-__all__ = ["CALIBRATION_PROMPTS", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "calibration_prompts", "check_calibration",
-           "export_plans", "no_tree_reason", "planned_k", "plan_drafter", "plan_tree_drafter", "resolve_plans"]
+__all__ = ["export_plans", "no_tree_reason", "planned_k", "plan_drafter", "plan_tree_drafter", "resolve_plans"]

@@ -25,12 +25,13 @@ from ..decoding.engines.compiled import capture_counts, compile_cache_state, com
 from ..errors import UserError
 from ..models import context_length
 from ..prompts import encode_prompts, read_prompts, require_unique_ids
+from .calibration import calibration_prompts, check_calibration
 from .config import EvalConfig, shared_settings
 from .costs import timed_generate
 from .loading import LoadedModels, attach_drafter, bind_engine, load_models
 from .metrics import PromptResult, defects
 from .outputs import prepare_output_dir, staged_output
-from .plan import calibration_prompts, check_calibration, no_tree_reason, resolve_plans
+from .plan import no_tree_reason, resolve_plans
 from .report import prompt_digest, write_report
 from .summary import build_report
 from .load import served_load

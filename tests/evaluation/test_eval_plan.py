@@ -12,7 +12,7 @@ from tiny import noisy_copy, save_pair, tiny_lm, tiny_tokenizer
 
 from drafttrain.cli import main
 from drafttrain.evaluation.config import PLAN_MAX_K
-from drafttrain.evaluation.plan import CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS
+from drafttrain.evaluation.calibration import CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS
 from drafttrain.kinds.medusa.export import save_medusa
 from drafttrain.kinds.medusa.model import MedusaHeads
 
