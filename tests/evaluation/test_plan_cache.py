@@ -77,7 +77,8 @@ def measurements(monkeypatch):
         counted(planner, name)
     for name in ("recorded_trees", "calibrated_acceptance", "walked_acceptance", "teacher_forced"):
         counted(calibrating, name)
-    counted(calibrating.Calibration, "_decode")
+    for name in ("_decode_batched", "_decode_alone"):
+        counted(calibrating.Calibration, name)
     return calls
 
 
@@ -132,7 +133,8 @@ def test_another_machine_measures_its_own_costs_and_reads_the_acceptance(setup, 
     assert main(compare(setup, tmp_path / "second")) == 0
     assert all(not p["cached"] for p in plans(tmp_path / "second").values())
     assert {"forward_curve", "tree_step_seconds"} <= set(measurements)
-    assert not {"recorded_trees", "calibrated_acceptance", "walked_acceptance", "_decode"} & set(measurements)
+    assert not {"recorded_trees", "calibrated_acceptance", "walked_acceptance", "_decode_batched",
+                "_decode_alone"} & set(measurements)
 
 
 def test_a_damaged_cache_is_one_warning_and_measured_again(setup, tmp_path, capsys, monkeypatch):
