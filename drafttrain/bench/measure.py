@@ -101,7 +101,7 @@ def forward_times(lm: CachedLM, prompt: list[int], sizes: list[int], tree_paths,
     shapes.append((tree.num_nodes, tree, "tree"))
     compile_seconds = lm.warmup(sorted({n for n, _, _ in shapes}))
     lm.reset()
-    lm.forward(device_tensor(prompt, lm.device))
+    lm.prefill(device_tensor(prompt, lm.device))
     past = lm.length
     times: list[list[float]] = [[] for _ in shapes]
     for i in range(repeats + 2):

@@ -124,7 +124,8 @@ class BatchGenerator:
                                torch.zeros(B - b, dtype=torch.long, device=self.device)])
 
         self.lm.reset()
-        logits, _ = self.lm.run(tokens, positions, self.lm.causal(width), key_valid=key_valid)  # prefill
+        logits, _ = self.lm.run(tokens, positions, self.lm.causal(width), key_valid=key_valid,
+                                last_only=True)  # prefill: left-padded, every row's last token is its own
         self.lm.length = width
         last = logits[:, -1]
         position = positions[:, -1] + 1

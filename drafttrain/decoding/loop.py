@@ -150,7 +150,7 @@ class Decoder:
         prompt_t = device_tensor(list(prompt), self.device)
         hidden = None
         if len(prompt) > 1:
-            _, hidden = self.target.forward(prompt_t[:-1], hidden_layers=self.hidden_layers)
+            hidden = self.target.prefill(prompt_t[:-1], hidden_layers=self.hidden_layers)
         self.pending = prompt_t[-1:]
         self.sequence = list(prompt)
         self._start(list(prompt), hidden)

@@ -20,7 +20,7 @@ def forward_seconds(lm: CachedLM, prompt: list[int], tokens: list[int], repeats:
     parallel draft's step: the last real token and its masks)."""
     lm.warmup([len(tokens)])
     lm.reset()
-    lm.forward(device_tensor(prompt[:-1], lm.device))
+    lm.prefill(device_tensor(prompt[:-1], lm.device))
     step = device_tensor(tokens, lm.device)
     return timed(lambda: lm.forward(step), repeats, lm.device, after=lambda: lm.rollback(lm.length - len(tokens)))
 
@@ -55,7 +55,7 @@ def forward_curve(lm: CachedLM, prompt: list[int], sizes: int | list[int], repea
     hidden_layers = tuple(hidden_layers)
     lm.warmup(sizes, hidden_layers=hidden_layers)
     lm.reset()
-    lm.forward(device_tensor(prompt[:-1], lm.device))
+    lm.prefill(device_tensor(prompt[:-1], lm.device))
     steps = [device_tensor((prompt[-1:] * n)[:n], lm.device) for n in sizes]
     trees = [tree_from_parents([-1] + [0] * (n - 1), lm.device) if tree and n > 2 else None for n in sizes]
     times: list[list[float]] = [[] for _ in steps]

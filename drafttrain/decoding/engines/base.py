@@ -1,7 +1,7 @@
 """The cached-LM interface: the only way a decoder touches a model.
 
 A decoder does four things to a model's KV cache: append tokens (`forward`, optionally as a
-tree of candidates), forget the newest ones (`rollback`), keep only an accepted tree path
+tree of candidates; `prefill` where their logits are not read), forget the newest ones (`rollback`), keep only an accepted tree path
 (`compact`), and start over (`reset`). Two implementations sit behind it: `EagerLM` (the model's own
 forward on transformers' DynamicCache, the reference) and `StaticLM` (a preallocated cache and
 fixed-shape compiled steps, CUDA graphs on CUDA). Decoders never see which one they drive.
@@ -54,6 +54,14 @@ class CachedLM:
         concatenated along the last dimension, [n, len(hidden_layers) * H].
         """
         raise NotImplementedError
+
+    def prefill(self, tokens: torch.Tensor, *, hidden_layers: tuple[int, ...] = ()):
+        """Append `tokens` [n] whose logits no one reads (a prompt but its last token; tokens a
+        draft catches up on). Returns the hidden layers as `forward` does (None without any). An
+        engine may leave the LM head out: over a prompt it is most of the forward where the
+        vocabulary is large (Gemma-3's 262k rows, 640 wide: a 400-token prompt's head is 134 GFLOP,
+        about a second on 2 CPU cores, for logits that are thrown away)."""
+        return self.forward(tokens, hidden_layers=hidden_layers)[1]
 
     def verify(self, tokens: torch.Tensor, verdict, *, tree=None, hidden_layers: tuple[int, ...] = ()):
         """`forward`, then `verdict(logits, tokens, tree)` (a `verify.GreedyVerdict`): returns

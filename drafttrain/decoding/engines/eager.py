@@ -26,6 +26,14 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def head_argument(model) -> str | None:
+    """The keyword that limits a forward's LM head to the last positions (`logits_to_keep` in
+    transformers 5's causal LMs), None for a model without one (its prefill computes every row)."""
+    import inspect
+
+    return "logits_to_keep" if "logits_to_keep" in inspect.signature(model.forward).parameters else None
+
+
 def returned_cache(out):
     """The KV cache a forward returned, under either transformers' name (see `cache_argument`)."""
     return out["cache"] if "cache" in out.keys() else out["past_key_values"]
@@ -39,6 +47,7 @@ class EagerLM(CachedLM):
         self.device = next(model.parameters()).device
         use_skinny_matmuls(model)
         self.cache_argument = cache_argument(model)
+        self.head_argument = head_argument(model)
         self.max_length = max_length
         self.cache = None
         self.length = 0  # tokens held in the cache
@@ -64,10 +73,20 @@ class EagerLM(CachedLM):
                                 f"uses {attn!r}; load it with attn_implementation='sdpa' or use a chain tree")
             mask, positions = tree_attention_inputs(tree, self.length, self.device, self.model.dtype)
             mask = sliding_tree_masks(self.model.config, mask, positions, self.length)
+        return self._run(tokens, mask, positions, hidden_layers)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, *, hidden_layers: tuple[int, ...] = ()):
+        """`forward` with the LM head over the last token only (transformers' `logits_to_keep`)."""
+        self._check_room(tokens.numel())
+        head = {self.head_argument: 1} if self.head_argument else {}
+        return self._run(tokens, None, None, hidden_layers, **head)[1]
+
+    def _run(self, tokens: torch.Tensor, mask, positions, hidden_layers: tuple[int, ...], **head):
         out = self.model(input_ids=tokens.view(1, -1), use_cache=True, attention_mask=mask, position_ids=positions,
-                         output_hidden_states=bool(hidden_layers), **{self.cache_argument: self.cache})
+                         output_hidden_states=bool(hidden_layers), **{self.cache_argument: self.cache}, **head)
         self.cache = returned_cache(out)
-        self.length += n
+        self.length += tokens.numel()
         hidden = select_hidden([h[0] for h in out.hidden_states], hidden_layers) if hidden_layers else None
         return out.logits[0], hidden
 

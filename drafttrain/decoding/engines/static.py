@@ -286,8 +286,10 @@ def softcap_logits(config, logits: torch.Tensor) -> torch.Tensor:
 
 
 def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                block_mask: torch.Tensor, key_valid: torch.Tensor | None, hidden_layers: tuple[int, ...] = ()):
+                block_mask: torch.Tensor, key_valid: torch.Tensor | None, hidden_layers: tuple[int, ...] = (),
+                last_only: bool = False):
     """tokens/positions [B, n], slots [n], block_mask [n, n] -> (logits [B, n, V], hidden [B, n, D] or None).
+    `last_only`: logits [B, 1, V] of the last token only (a batch's prefill reads no other).
 
     Writes the n tokens' K/V at `slots` of every layer. The one function both compiled and
     uncompiled steps run. Each layer's q/k/v and gate/up take one matmul each (`cache.fused`).
@@ -324,7 +326,7 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
     x = body.norm(x)
     if cache.num_layers in hidden_layers:
         picked[cache.num_layers] = x
-    logits = softcap_logits(model.config, model.lm_head(x))
+    logits = softcap_logits(model.config, model.lm_head(x[:, -1:] if last_only else x))
     if not hidden_layers:
         return logits, None
     hidden = [picked[i] for i in hidden_layers]
@@ -427,10 +429,15 @@ class StaticLM(CachedLM):
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, block_mask: torch.Tensor, *,
-            key_valid: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (), compiled: bool = False):
-        """One step at slots length .. length + n - 1 ([B, n] inputs). Does not move `length`."""
+            key_valid: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (), compiled: bool = False,
+            last_only: bool = False):
+        """One step at slots length .. length + n - 1 ([B, n] inputs). Does not move `length`.
+        `last_only` (uncompiled): the LM head over the last token only (`static_step`)."""
         n = tokens.shape[1]
         slots = torch.arange(self.length, self.length + n, device=self.device)
+        if last_only:
+            return static_step(self.model, self.cache, tokens, positions, slots, block_mask, key_valid,
+                               tuple(hidden_layers), last_only=True)
         fn = self._step_fn(tuple(hidden_layers), compiled and self.compile)
         return fn(tokens, positions, slots, block_mask, key_valid)
 

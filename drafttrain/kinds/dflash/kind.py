@@ -152,7 +152,7 @@ def block_seconds(d: Drafter, target_lm: CachedLM, prompt: list[int], ks: list[i
     for k in ks:
         runtime.warmup(k)
     target_lm.reset()
-    _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device), hidden_layers=runtime.hidden_layers)
+    hidden = target_lm.prefill(device_tensor(prompt[:-1], target_lm.device), hidden_layers=runtime.hidden_layers)
     runtime.reset(prompt, hidden)
     pending = device_tensor(prompt[-1:], target_lm.device)
     return [timed(lambda k=k: runtime._block(pending, k).argmax(-1), repeats, target_lm.device) for k in ks]

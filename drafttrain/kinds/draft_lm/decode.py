@@ -94,7 +94,7 @@ class DraftModelProposer(Proposer):
         self.lm.reset()
         tokens = device_tensor(list(prompt), self.device)
         if tokens.numel() > 1:
-            self.lm.forward(tokens[:-1])
+            self.lm.prefill(tokens[:-1])
         self.pending = tokens[-1:]
         self.fed = 0
 
@@ -155,7 +155,7 @@ class DraftModelProposer(Proposer):
         """`draft_chain` for K drafts (k where K would not fit the cache or k > K); the first k."""
         pending = self.pending
         if pending.numel() > 2:  # +ngram: the lookup's branch was accepted; catch up on all but one
-            self.lm.forward(pending[:-1])
+            self.lm.prefill(pending[:-1])
             self.forwards += 1
             pending = pending[-1:]
         p, count = pending.numel(), max(k, self.k)

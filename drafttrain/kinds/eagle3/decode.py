@@ -662,7 +662,7 @@ def eagle3_step_seconds(runtime: Eagle3Runtime, target_lm, prompt: list[int], re
     of a chain step."""
     runtime.warmup([(1, 1)])
     target_lm.reset()
-    _, hidden = target_lm.forward(device_tensor(prompt[:-1], target_lm.device), hidden_layers=runtime.hidden_layers)
+    hidden = target_lm.prefill(device_tensor(prompt[:-1], target_lm.device), hidden_layers=runtime.hidden_layers)
     runtime.reset(prompt, hidden)
     token = device_tensor(prompt[-1:], target_lm.device).view(1, 1)
     position = torch.full((1, 1), runtime.length, dtype=torch.long, device=target_lm.device)
