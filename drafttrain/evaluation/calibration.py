@@ -11,7 +11,8 @@ What a plan reads of the calibration prompts, and why it is no more than the dec
   `LOOKUP_CALIBRATION_PROMPTS` where a lookup is planned, else `CALIBRATION_PROMPTS`). Decoded one
   at a time by n-gram lookup at K = 3 they cost the Gemma-3 demo 58 s, 2.4 s a prompt on 2 cores,
   each step reading the weights for one row; a batch's step reads them once for all its rows: 48 s
-  there in one batch (its 262k-token head over 24 rows is compute on 2 cores; a GPU gains more). A
+  there in one batch, 28 s once its prefill ran the 262k-token head over each row's last token
+  only, not over every prompt token (its head over 24 rows is compute on 2 cores; a GPU gains more). A
   drafter may stop before it reads them all (`enough_prompts`); the batch decodes them all anyway,
   a row more in it costing a fraction of a prompt decoded alone later. Greedy rows equal each
   prompt decoded alone in float64; in float32 (or lower) a row may take the other token at a near
