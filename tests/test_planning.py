@@ -353,6 +353,40 @@ def test_a_tree_step_between_measured_sizes_is_interpolated():
     assert tree_seconds(hybrid, costs, (4, 2, 4))[0] == pytest.approx(1.8 + (3.0 - 2.4))
 
 
+def test_a_wider_siblings_measured_step_settles_a_narrower_trees_price():
+    """A step of the same depth and nodes measured at a wider top-k is the most a narrower one costs
+    (the same verification, fewer candidates drafted): the narrowest wider one, moved along the curve
+    by each tree's n-gram nodes; a narrower sibling's step says nothing of a wider tree."""
+    costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), 1.0, exact={(8, 2, 4): 2.3, (4, 2, 4): 2.1})
+    table = {(k, 2, 4): (2.0, 0.0) for k in (1, 2, 4, 8, 16)}
+    assert tree_seconds(table, costs, (2, 2, 4)) == (pytest.approx(2.1), True)  # top-4's, not top-8's
+    assert tree_seconds(table, costs, (4, 2, 4)) == (2.1, True)  # its own
+    assert tree_seconds(table, costs, (16, 2, 4))[1] is False  # no wider sibling: a bound
+    hybrid = {(2, 2, 4): (2.0, 2.0), (4, 2, 4): (2.0, 0.0), (8, 2, 4): (2.0, 0.0)}  # 2 n-gram nodes beside top-2
+    assert tree_seconds(hybrid, costs, (2, 2, 4))[0] == pytest.approx(2.1 - 1.6 + costs.verify_seconds(6))
+
+
+def test_a_narrower_tree_is_not_measured_once_its_wider_sibling_settles_it():
+    """Gemma-3's EAGLE-3 plan measured top-8 then top-4 at 2 deep and 4 nodes (54.8 and 53.0 ms):
+    the narrower one, bounded only by its verification, led until measured. Priced at its measured
+    wider sibling's step, the most it can cost, it is settled: one whole step decides between them."""
+    costs = TreeCosts((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.4), 1.0)
+    table = {(1, 2, 4): (1.9, 0.0), (4, 2, 4): (2.0, 0.0)}
+    truth = {(1, 2, 4): 1.30, (4, 2, 4): 1.35}
+    measured = []
+
+    def measure(k, d, n):
+        measured.append((k, d, n))
+        return truth[(k, d, n)]
+
+    plan, _ = plan_tree_measured(table, costs, measure, limit=100, tie=0.0)
+    assert measured == [(4, 2, 4)]
+    assert (plan.tree_topk, plan.num_draft_tokens, plan.tree_nodes) == (4, 2, 4)
+    assert plan.planned_speedup == pytest.approx(2.0 / 1.35)
+    narrow = next(c for c in plan.candidates if c.tree_topk == 1)
+    assert narrow.measured and narrow.planned_speedup == pytest.approx(1.9 / 1.35)  # its true 1.46: a few % off
+
+
 def test_a_bound_is_the_verification_and_the_least_a_cheaper_tree_spent_beyond_it():
     """Unmeasured: its verification plus the plain step's loop, or more, what a measured tree no
     wider, no deeper and no smaller spent beyond its own verification. A narrower tree's spend is

@@ -31,7 +31,8 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
 - Trees: no whole step of every (top-k, depth) at the largest tree (24 of them for EAGLE-3, each
   verifying 64 nodes); a tree's step is measured only when, priced at the least it can cost, it
   leads (`planning.plan_tree_measured`: the plan measuring every tree would give, unless a leader
-  is within 3% of a measured tree, which no timing could tell apart). The verification curve is
+  is within 3% of a measured tree, which no timing could tell apart), and a narrower top-k of a
+  measured tree's depth and nodes is priced by it, the most it can cost, rather than measured. The verification curve is
   measured as far as a leader's nodes need (`CURVE_CHUNK` sizes at a time past 8): on a CPU the
   large trees are ruled out before it reaches them. A whole step is timed over two short decodes,
   the first two steps left out as warm-up, where three decodes ran before (each a prefill).
