@@ -329,11 +329,12 @@ def wider_sibling_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, in
     nodes: 2 deep top-2 51.4 ms, top-4 53.0, top-8 54.8; 3 deep top-1 53.9, top-2 54.0, top-4 54.4).
     A plan leading at this price leads at its own: measuring it whole could not change the decision."""
     topk, depth, nodes = key
-    wider = sorted((k, seconds) for (k, d, n), seconds in costs.exact.items() if (d, n) == (depth, nodes) and k > topk)
+    wider = [(k, seconds) for (k, d, n), seconds in costs.exact.items() if (d, n) == (depth, nodes) and k > topk]
     if not wider:
         return None
-    k, seconds = wider[0]
-    return seconds - costs.verify_seconds(nodes + extra_nodes(table, k, depth)) + costs.verify_seconds(nodes + table[key][1])
+    k, seconds = min(wider)
+    beyond = seconds - costs.verify_seconds(nodes + extra_nodes(table, k, depth))
+    return beyond + costs.verify_seconds(nodes + table[key][1])
 
 
 def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
@@ -371,22 +372,23 @@ TIE = 0.03  # a tree within this much of the best measured one is not measured: 
 
 def plan_tree_measured(table: TreeTable, costs: TreeCosts, measure, extend=None, limit: int = MEASURED_TREES,
                        tie: float = TIE) -> tuple[Plan, TreeCosts]:
-    """The plan that measuring every tree whole would give, measuring only what the decision needs,
-    and the costs it measured (branch and bound). Each tree is priced as `tree_seconds` knows it:
-    its own measured step, a wider sibling's (the most it can cost), else the least it can cost.
-    While the leader is not settled so, it
-    is measured whole (`measure(topk, depth, nodes)` -> seconds, into `costs.exact`), or, where it
-    verifies more nodes than the curve reaches, the curve is measured further (`extend(costs)` ->
-    wider costs, None when there is no more to measure), and the plan made again. A tree not
-    measured never costs less than its price and a settled one never more, so when the leader is
-    settled no other can beat it: that is the plan (a narrower tree priced by its wider sibling may
-    be up to that spread, a few percent, faster than its price: one measurement per depth and
-    nodes instead of one per top-k, 20 whole steps of Gemma-3's two EAGLE-3 plans where 7 decide). Cut short (before it has measured the
-    leader): after `limit` measurements, or when the leader's price is within `tie` of the best
-    measured tree's (the noise of a step timing could not tell them apart), the best measured tree.
-    A small tree priced from the deepest tree's measured step moved down the curve was off by
-    half on Gemma-3's lumpy curve (a 4-node tree planned 1.83x, measured 1.17x): a chosen tree is
-    always priced by a step measured whole, its own or a wider sibling's of its depth and nodes."""
+    """The plan that measuring every tree whole would give, measuring only what the decision needs, and the
+    costs it measured (branch and bound). Each tree is priced as `tree_seconds` knows it: its own
+    measured step, a wider sibling's (the most it can cost), else the least it can cost. While the
+    leader is not settled so, it is measured whole (`measure(topk, depth, nodes)` -> seconds, into
+    `costs.exact`), or, where it verifies more nodes than the curve reaches, the curve is measured
+    further (`extend(costs)` -> wider costs, None when there is no more to measure), and the plan made
+    again. A tree not measured never costs less than its price and a settled one never more, so when the
+    leader is settled no other can beat it: that is the plan (a narrower tree priced by its wider
+    sibling may be a few percent faster than its price, the spread between top-ks; in exchange, one
+    measurement per depth and nodes, not one per top-k: Gemma-3's two EAGLE-3 plans measured 12 whole
+    steps, not 20).
+    Cut short (before it has measured the leader): after `limit` measurements, or when the leader's
+    price is within `tie` of the best measured tree's (the noise of a step timing could not tell them
+    apart), the best measured tree. A small tree priced from the deepest tree's measured step moved down
+    the curve was off by half on Gemma-3's lumpy curve (a 4-node tree planned 1.83x, measured 1.17x): a
+    chosen tree is always priced by a step measured whole, its own or a wider sibling's of its depth and
+    nodes."""
     measured = 0
     while True:
         plan = plan_tree(table, costs)

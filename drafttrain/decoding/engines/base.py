@@ -1,10 +1,11 @@
 """The cached-LM interface: the only way a decoder touches a model.
 
 A decoder does four things to a model's KV cache: append tokens (`forward`, optionally as a
-tree of candidates; `prefill` where their logits are not read), forget the newest ones (`rollback`), keep only an accepted tree path
-(`compact`), and start over (`reset`). Two implementations sit behind it: `EagerLM` (the model's own
-forward on transformers' DynamicCache, the reference) and `StaticLM` (a preallocated cache and
-fixed-shape compiled steps, CUDA graphs on CUDA). Decoders never see which one they drive.
+tree of candidates; `prefill` where their logits are not read), forget the newest ones
+(`rollback`), keep only an accepted tree path (`compact`), and start over (`reset`). Two
+implementations sit behind it: `EagerLM` (the model's own forward on transformers' DynamicCache,
+the reference) and `StaticLM` (a preallocated cache and fixed-shape compiled steps, CUDA graphs on
+CUDA). Decoders never see which one they drive.
 """
 
 from __future__ import annotations

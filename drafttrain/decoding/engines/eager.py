@@ -17,21 +17,24 @@ from .matmul import use_skinny_matmuls
 MASKABLE_ATTENTION = ("sdpa", "eager")  # kernels that honour a custom 4-D mask
 
 
+def forward_parameters(model):
+    """The keywords the model's forward takes (transformers renames and adds some between releases)."""
+    import inspect
+
+    return inspect.signature(model.forward).parameters
+
+
 def cache_argument(model) -> str:
     """The name the model's forward takes its KV cache under: `cache` from transformers 5.24,
     `past_key_values` before (5.24 still takes the old name, with a warning on stderr that would
     break the one-line error contract of every command)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
 
 
 def head_argument(model) -> str | None:
     """The keyword that limits a forward's LM head to the last positions (`logits_to_keep` in
     transformers 5's causal LMs), None for a model without one (its prefill computes every row)."""
-    import inspect
-
-    return "logits_to_keep" if "logits_to_keep" in inspect.signature(model.forward).parameters else None
+    return "logits_to_keep" if "logits_to_keep" in forward_parameters(model) else None
 
 
 def returned_cache(out):

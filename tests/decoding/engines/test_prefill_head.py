@@ -65,9 +65,10 @@ def test_a_batch_prefill_reads_one_row_of_the_head_a_prompt():
     assert out == [greedy_reference(model, p, 5) for p in prompts]
 
 
-def test_the_static_engine_keeps_its_compiled_prefill():
-    """The static engine's prefill is `forward` (its compiled chunks return every row; on a GPU the
-    head over a prompt is a small part of it): `prefill` returns what `forward` does."""
+def test_the_static_engines_prefill_is_its_forward():
+    """The static engine keeps its compiled prefill chunks, which return every row (on a GPU the head
+    over a prompt is a small part of it): `prefill` returns `forward`'s hidden states and fills the
+    same cache length."""
     model = tiny_lm(0)
     ids = torch.arange(3, 20)
     lm, reference = StaticLM(model, max_length=64), StaticLM(model, max_length=64)
