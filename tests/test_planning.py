@@ -11,7 +11,7 @@ import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
 from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, enough_prompts, expected_tokens,
-                                 lookup_share, noisy, plan_chain, plan_tree, plan_tree_measured, step_seconds,
+                                 interpolate, lookup_share, noisy, plan_chain, plan_tree, plan_tree_measured, step_seconds,
                                  tokens_per_step, tree_expected_tokens, tree_node_limit, tree_seconds, tree_table,
                                  walk_chain, walked_rates)
 from drafttrain.trees import tree_from_parents
@@ -88,6 +88,29 @@ def test_a_drafter_that_often_proposes_nothing_is_planned_with_its_cheaper_steps
     assert with_rates.planned_speedup == pytest.approx(speeds[best], rel=0.02)
     assert with_rates.planned_speedup > plan_chain(acceptance, costs).planned_speedup
     assert step_seconds(costs, 2, rates) == pytest.approx(0.5 * 1.0 + 0.05 * 1.3 + 0.45 * 1.5 + 0.05)
+
+
+def test_a_chain_hybrids_lookup_is_priced_by_the_steps_it_proposes_in():
+    """A chain hybrid's lookup proposes all of its K tokens or none: a step verifies K + 1 nodes or
+    2K + 1. On a lumpy curve (Gemma-3 on 2 cores: 4 tokens cheaper than 3, 5 dearer by a third) the
+    cost of the mean size is not the mean cost; the plan prices each K at what the steps, drawn one
+    by one, cost on average, and plans the K a simulated decode finds fastest."""
+    verify = (36.8, 38.6, 46.9, 44.7, 59.1, 74.5, 89.7, 88.0, 104.6, 115.7, 127.4, 150.0, 152.5)
+    costs = Costs(verify, (0, 2.3, 2.6, 2.6, 2.9, 4.0, 4.8), 0.1)
+    acceptance, max_k, proposing = [0.72, 0.51, 0.4, 0.31, 0.23, 0.19], 6, 0.59
+    rng = random.Random(0)
+    for k in range(1, max_k + 1):
+        draws = [k + 1 + (k if rng.random() < proposing else 0) for _ in range(20_000)]
+        mean_cost = sum(verify[n - 1] for n in draws) / len(draws)
+        extra = proposing * k
+        assert step_seconds(costs, k, extra_tokens=extra) == pytest.approx(mean_cost + costs.draft[k] + 0.1, rel=0.01)
+    plan = plan_chain(acceptance, costs, max_k=max_k, extra_tokens=proposing * max_k)
+    truth = {k: expected_tokens(acceptance, k) * (verify[0] + 0.1) /
+             ((1 - proposing) * verify[k] + proposing * verify[2 * k] + costs.draft[k] + 0.1) for k in range(1, max_k + 1)}
+    best = max(truth, key=truth.get)
+    assert plan.num_draft_tokens == best and plan.planned_speedup == pytest.approx(truth[best])
+    at_the_mean = step_seconds(Costs(verify, costs.draft, 0.1), 2) - verify[2] + interpolate(verify, 3 + 2 * proposing)
+    assert step_seconds(costs, 2, extra_tokens=2 * proposing) > 1.1 * at_the_mean  # what the mean size misprices
 
 
 def test_k_is_capped_by_what_was_measured():
