@@ -116,10 +116,8 @@ def lookup_verify_seconds(verify: tuple[float, ...], k: int, extra_tokens: float
     over those steps, not the curve at the mean, which on a lumpy CPU curve (Gemma-3 on 2 cores: 4
     tokens 44.7 ms, 5 tokens 59.1) priced DFlash + n-gram's step at 50 ms against the 61 it took
     (planned 1.59x, measured 1.36x)."""
-    if extra_tokens <= 0:
-        return interpolate(verify, k + 1)
-    share = min(1.0, extra_tokens / k)
-    return (1 - share) * interpolate(verify, k + 1) + share * interpolate(verify, k + 1 + min(extra_tokens / share, k))
+    share = min(1.0, max(0.0, extra_tokens) / k)
+    return (1 - share) * interpolate(verify, k + 1) + share * interpolate(verify, 2 * k + 1)
 
 
 def step_seconds(costs: Costs, k: int, proposal_rates: list[float] | None = None, extra_tokens: float = 0.0) -> float:

@@ -94,7 +94,7 @@ def test_a_chain_hybrids_lookup_is_priced_by_the_steps_it_proposes_in():
     """A chain hybrid's lookup proposes all of its K tokens or none: a step verifies K + 1 nodes or
     2K + 1. On a lumpy curve (Gemma-3 on 2 cores: 4 tokens cheaper than 3, 5 dearer by a third) the
     cost of the mean size is not the mean cost; the plan prices each K at what the steps, drawn one
-    by one, cost on average, and plans the K a simulated decode finds fastest."""
+    by one, cost on average, and plans the K fastest at those costs."""
     verify = (36.8, 38.6, 46.9, 44.7, 59.1, 74.5, 89.7, 88.0, 104.6, 115.7, 127.4, 150.0, 152.5)
     costs = Costs(verify, (0, 2.3, 2.6, 2.6, 2.9, 4.0, 4.8), 0.1)
     acceptance, max_k, proposing = [0.72, 0.51, 0.4, 0.31, 0.23, 0.19], 6, 0.59
