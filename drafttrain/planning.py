@@ -68,6 +68,7 @@ class Candidate:
     tree_nodes: int | None = None
     tree_topk: int | None = None
     measured: bool | None = None  # a tree: priced by its own measured step (else an estimate); None: a chain
+    lookup_first: bool | None = None  # a hybrid: its lookup's chain alone where it finds one; None: no hybrid
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Plan:
     candidates: tuple[Candidate, ...]
     tree_nodes: int | None = None
     tree_topk: int | None = None
+    lookup_first: bool | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +94,7 @@ def best_plan(candidates: list[Candidate]) -> Plan:
     best = max(candidates, key=lambda c: (round(c.planned_speedup, 12), -c.num_draft_tokens, -(c.tree_nodes or 0),
                                           -(c.tree_topk or 0)))
     return Plan(best.num_draft_tokens, best.expected_tokens, best.planned_speedup, tuple(candidates),
-                best.tree_nodes, best.tree_topk)
+                best.tree_nodes, best.tree_topk, best.lookup_first)
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -180,6 +182,75 @@ def walked_rates(steps: list[tuple[int, int]], k: int) -> tuple[list[float], lis
     count = max(1, len(steps))
     return ([sum(a >= j for _, a in steps) / count for j in range(1, k + 1)],
             [sum(m >= j for m, _ in steps) / count for j in range(1, k + 1)])
+
+
+@dataclass(frozen=True)
+class HybridStep:
+    """One step of a chain hybrid (a model's chain and a lookup's) walked over the target's greedy
+    continuation: the nodes it verifies beside the pending token, whether the model drafted (its
+    forward is paid), and the tokens it emits (accepted drafts and the bonus)."""
+
+    nodes: int
+    model: bool
+    tokens: int
+
+
+def agreed(draft: list[int], continuation: list[int]) -> int:
+    """How many of `draft` greedy verification accepts: its longest prefix equal to `continuation`."""
+    n = 0
+    while n < len(draft) and n < len(continuation) and draft[n] == continuation[n]:
+        n += 1
+    return n
+
+
+def walk_hybrid(prompt: list[int], continuation: list[int], lookup, drafts: list[list[int]], k: int,
+                max_new_tokens: int, lookup_first: bool) -> list[HybridStep]:
+    """The steps a greedy chain hybrid with K = k takes to emit `continuation`, the target's greedy
+    continuation of `prompt`: `lookup(sequence, n)` -> up to n tokens (a function of the text),
+    `drafts[i]`: the model's greedy drafts after the first i tokens of `continuation` (a function of
+    the position: what a model keeps is made of the emitted text and the target's states along it,
+    `decoding.hybrid`), at least k of them. Both (`lookup_first` False): the lookup's chain hangs from
+    the root beside the model's (its nodes all verified, those it shares as twins: `hang_lookup`) and
+    the longer acceptance wins; lookup first: the
+    lookup's chain alone where it finds one, else the model's. As the decoder does, a step drafts no
+    more than can still be emitted."""
+    steps, n = [], 0
+    while n < len(continuation):
+        depth = min(k, max_new_tokens - n - 1)
+        rest = continuation[n:]
+        found = lookup(prompt + continuation[:n], depth) if depth > 0 else []
+        if lookup_first and found:
+            step = HybridStep(len(found), False, agreed(found, rest) + 1)
+        else:
+            model = drafts[n][:depth] if depth > 0 else []
+            step = HybridStep(len(model) + len(found), bool(model), max(agreed(model, rest), agreed(found, rest)) + 1)
+        steps.append(step)
+        n += step.tokens
+    return steps
+
+
+def hybrid_step_seconds(costs: Costs, lookup: list[float], k: int, step: HybridStep) -> float:
+    """A walked hybrid step's cost: the target's verification of its nodes and the pending token, the
+    model's draft where it drafted, the lookup (tried every step) and the loop's overhead."""
+    return (costs.verify[step.nodes] + (costs.draft[k] if step.model else 0.0) + lookup[k]
+            + costs.overhead)
+
+
+def plan_hybrid_chain(walked: dict[tuple[int, bool], list[HybridStep]], costs: Costs, lookup: list[float]) -> Plan:
+    """The K and mode (`lookup_first`) of a chain hybrid with the most tokens per second over its
+    walked steps (`walk_hybrid`), each step priced by its own size (`hybrid_step_seconds`: a CPU's
+    verification curve is lumpy, and a mean of step costs is not the cost at the mean size), or the
+    target alone. On a GPU, where nodes cost almost nothing, verifying both wins; on a CPU, where each
+    costs a share of a step, the lookup's chain alone where it finds one."""
+    plain = step_seconds(costs, 0)
+    candidates = [Candidate(0, 1.0, 1.0)]
+    for (k, first), steps in sorted(walked.items()):
+        if not steps or k >= len(costs.draft) or 2 * k >= len(costs.verify):
+            continue
+        tokens = sum(s.tokens for s in steps)
+        seconds = sum(hybrid_step_seconds(costs, lookup, k, s) for s in steps)
+        candidates.append(Candidate(k, tokens / len(steps), tokens * plain / seconds, lookup_first=first))
+    return best_plan(candidates)
 
 
 # ---------------------------------------------------------------------------------------- trees
@@ -503,7 +574,7 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
 
 
 __all__ = ["CALIBRATION_TOLERANCE", "MEASURED_TREES", "MIN_CALIBRATION_PROMPTS", "NODE_BUDGETS", "Candidate", "Costs",
-           "Plan", "TreeCosts", "TreeStep", "TreeTable", "accepted_within", "best_plan", "beyond_verification",
+           "HybridStep", "Plan", "agreed", "hybrid_step_seconds", "plan_hybrid_chain", "walk_hybrid", "TreeCosts", "TreeStep", "TreeTable", "accepted_within", "best_plan", "beyond_verification",
            "enough_prompts", "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain",
            "plan_tree", "plan_tree_measured", "step_seconds", "tokens_per_step", "tree_expected_tokens",
            "tree_node_limit", "tree_seconds", "tree_table", "walk_chain", "walked_rates"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
-from drafttrain.planning import (Costs, TreeCosts, TreeStep, accepted_within, enough_prompts, expected_tokens,
-                                 interpolate, lookup_share, noisy, plan_chain, plan_tree, plan_tree_measured, step_seconds,
+from drafttrain.planning import (Costs, HybridStep, TreeCosts, TreeStep, accepted_within, enough_prompts, expected_tokens,
+                                 interpolate, lookup_share, noisy, plan_chain, plan_hybrid_chain, plan_tree, plan_tree_measured, step_seconds,
                                  tokens_per_step, tree_expected_tokens, tree_node_limit, tree_seconds, tree_table,
                                  walk_chain, walked_rates)
 from drafttrain.trees import tree_from_parents
@@ -111,6 +111,34 @@ def test_a_chain_hybrids_lookup_is_priced_by_the_steps_it_proposes_in():
     assert plan.num_draft_tokens == best and plan.planned_speedup == pytest.approx(truth[best])
     at_the_mean = step_seconds(Costs(verify, costs.draft, 0.1), 2) - verify[2] + interpolate(verify, 3 + 2 * proposing)
     assert step_seconds(costs, 2, extra_tokens=2 * proposing) > 1.1 * at_the_mean  # what the mean size misprices
+
+
+def hybrid_walks(lookup_tokens: int, both_tokens: int, model_tokens: int, k: int = 3) -> dict:
+    """Half the steps find a lookup continuation (lookup first: `lookup_tokens` emitted; both:
+    `both_tokens`, the model's branch going further on some), half find none (the model's K:
+    `model_tokens`)."""
+    return {(k, True): [HybridStep(k, False, lookup_tokens)] * 5 + [HybridStep(k, True, model_tokens)] * 5,
+            (k, False): [HybridStep(2 * k, True, both_tokens)] * 5 + [HybridStep(k, True, model_tokens)] * 5}
+
+
+def test_a_chain_hybrid_verifies_the_lookup_alone_where_nodes_cost_and_both_where_they_are_free():
+    """Each walked step priced by its own nodes (and the model's draft only where it drafted), summed
+    against the tokens: on a CPU-like curve (a node a fifth of a step) the lookup's chain alone wins,
+    on a GPU-like flat one verifying both, which emits more; the speedups as computed by hand."""
+    walks = hybrid_walks(lookup_tokens=4, both_tokens=4.5, model_tokens=2)
+    lookup = [0.0, 1e-4, 1e-4, 1e-4]
+    cpu = Costs(tuple(0.040 + 0.008 * n for n in range(7)), (0.0, 0.006, 0.007, 0.008), 0.001)
+    gpu = Costs((0.010,) * 7, (0.0, 0.001, 0.001, 0.001), 0.001)
+    for costs, first in ((cpu, True), (gpu, False)):
+        plain = costs.verify[0] + costs.overhead
+        v, d, o, lk = costs.verify, costs.draft[3], costs.overhead, lookup[3]
+        truth = {True: (5 * 4 + 5 * 2) * plain / (5 * (v[3] + lk + o) + 5 * (v[3] + d + lk + o)),
+                 False: (5 * 4.5 + 5 * 2) * plain / (5 * (v[6] + d + lk + o) + 5 * (v[3] + d + lk + o))}
+        plan = plan_hybrid_chain(walks, costs, lookup)
+        assert (plan.num_draft_tokens, plan.lookup_first) == (3, first)
+        assert plan.planned_speedup == pytest.approx(truth[first]) and truth[first] > truth[not first]
+    nothing = plan_hybrid_chain(hybrid_walks(1, 1, 1), cpu, lookup)  # no step accepts a draft: the target alone
+    assert (nothing.num_draft_tokens, nothing.lookup_first, nothing.planned_speedup) == (0, None, 1.0)
 
 
 def test_k_is_capped_by_what_was_measured():

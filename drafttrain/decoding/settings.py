@@ -30,6 +30,8 @@ class DecodeSettings:
     tree_topk: int = DYNAMIC_TREE_TOPK  # a dynamic tree: nodes expanded per depth
     hybrid: str | None = None         # +LOOKUP: the lookup kind joined, its chain one more branch of the
                                       # drafter's chain or tree (None: none)
+    lookup_first: bool = False        # a hybrid verifies the lookup's chain alone where it finds one, the
+                                      # drafter's only where it finds nothing (`decoding.hybrid`)
     kind_settings: dict = field(default_factory=dict, hash=False)  # the kinds' own settings by name
                                       # (`DrafterKind.settings`, e.g. --ngram-max); unset: their defaults
 
@@ -49,4 +51,4 @@ class DecodeSettings:
 
     def alone(self) -> DecodeSettings:
         """The same settings with no lookup joined."""
-        return replace(self, hybrid=None)
+        return replace(self, hybrid=None, lookup_first=False)

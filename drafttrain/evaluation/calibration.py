@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 from ..decoding import DecodeSettings, StaticLM, static_support
@@ -49,7 +50,9 @@ from ..export import RECORD
 from ..kinds.base import Drafter
 from ..kinds.factory import build_decoder
 from ..kinds.registry import BY_NAME, LOOKUPS
-from ..planning import TreeStep, enough_prompts, tree_node_limit, tree_table, walk_chain, walked_rates
+from ..decoding.chain import ChainDecoder, Proposer
+from ..planning import (HybridStep, TreeStep, enough_prompts, tree_node_limit, tree_table, walk_chain, walk_hybrid,
+                        walked_rates)
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
 from ..tokens import left_pad
 from .config import PLAN_MAX_K, EvalConfig
@@ -75,6 +78,8 @@ class Acceptance:
     source: str
     extra_tokens: float = 0.0  # a hybrid's n-gram nodes per step beside the model's K drafts
     by_k: dict[int, tuple[list[float], list[float]]] | None = None  # measured at each K (`planning.walk_chain`)
+    hybrid_walks: dict[tuple[int, bool], list[HybridStep]] | None = None  # a chain hybrid's steps by (K, lookup
+                                                                           # first) (`planning.walk_hybrid`)
 
 
 def recorded_acceptance(cfg: EvalConfig) -> Acceptance | None:
@@ -124,7 +129,7 @@ def calibration_prompts(cfg: EvalConfig, tokenizer, context_limit: int | None) -
 def continuation_prompts(cfgs: list[EvalConfig]) -> int:
     """How many calibration prompts' continuations the run's plans may read: a planned lookup walks
     up to `LOOKUP_CALIBRATION_PROMPTS` (`walks`), a model drafter replays up to `CALIBRATION_PROMPTS`."""
-    lookup = any(cfg.num_draft_tokens == "auto" and walks(cfg) for cfg in cfgs)
+    lookup = any(cfg.num_draft_tokens == "auto" and (walks(cfg) or chain_hybrid(cfg)) for cfg in cfgs)
     return LOOKUP_CALIBRATION_PROMPTS if lookup else CALIBRATION_PROMPTS
 
 
@@ -227,13 +232,16 @@ def drafter_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calib
                        store: Store) -> Acceptance:
     """The chain acceptance a plan reads: calibrated (kept in `store`), else the export's record."""
     if cfg.calibration_prompts:
-        budget = LOOKUP_CALIBRATION_PROMPTS if walks(cfg) else CALIBRATION_PROMPTS
+        hybrid = walks_hybrid(cfg, models)
+        budget = LOOKUP_CALIBRATION_PROMPTS if walks(cfg) or hybrid else CALIBRATION_PROMPTS
         prompts = min(budget, len(calibration.prompts))
-        found = measurer.measured(store, "chain", lambda: calibrate_chain(cfg, models, calibration, measurer, prompts),
+        found = measurer.measured(store, "hybrid walks" if hybrid else "chain",
+                                  lambda: calibrate_chain(cfg, models, calibration, measurer, prompts),
                                   f"calibration on up to {prompts} prompts", units=prompts)
         return Acceptance(found["per_position"], found["proposal_rates"],
                           f"{found['prompts']} calibration prompts from {cfg.calibration_prompts}", found["extra_tokens"],
-                          {int(k): tuple(v) for k, v in found["by_k"].items()} if found["by_k"] else None)
+                          {int(k): tuple(v) for k, v in found["by_k"].items()} if found["by_k"] else None,
+                          hybrid_steps(found.get("hybrid_walks")))
     recorded = None if cfg.hybrid else recorded_acceptance(cfg)  # a hybrid's own acceptance is not recorded
     if recorded is None:
         raise UserError(f"--num-draft-tokens auto needs {cfg.drafter_name}'s acceptance on other prompts than the "
@@ -246,6 +254,8 @@ def calibrate_chain(cfg: EvalConfig, models: LoadedModels, calibration: Calibrat
     """A chain drafter's acceptance on up to `prompts` calibration prompts, as the cache keeps it."""
     if walks(cfg):
         return walked_acceptance(cfg, calibration, measurer, prompts)
+    if walks_hybrid(cfg, models):
+        return walked_hybrid(cfg, models, calibration, measurer, prompts)
     return calibrated_acceptance(cfg, models, calibration, measurer, prompts)
 
 
@@ -269,6 +279,108 @@ def walked_acceptance(cfg: EvalConfig, calibration: Calibration, measurer: Measu
     per_position, rates = by_k[PLAN_MAX_K]
     return {"per_position": per_position, "proposal_rates": rates, "prompts": len(per_prompt), "extra_tokens": 0.0,
             "by_k": by_k}
+
+
+def chain_hybrid(cfg: EvalConfig) -> bool:
+    """Whether a hybrid's model drafts a chain, from its settings alone (`walks_hybrid` builds it)."""
+    kind = BY_NAME[cfg.drafter_kind]
+    return bool(cfg.hybrid) and cfg.greedy and (not kind.supports("tree") or cfg.tree == "chain")
+
+
+def walks_hybrid(cfg: EvalConfig, models: LoadedModels) -> bool:
+    """A greedy chain hybrid (a chain model drafter and a lookup): walked over the target's
+    continuations from its model's drafts at every position (`walked_hybrid`)."""
+    if not (cfg.hybrid and cfg.greedy):
+        return False
+    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes).alone()
+    return isinstance(build_decoder(models.target_lm or models.target, models.drafter, settings), ChainDecoder)
+
+
+def lookup_modes(cfg: EvalConfig) -> tuple[bool, ...]:
+    """The hybrid modes a plan weighs (`--lookup-first`): both verified each step (False), the
+    lookup's chain alone where it finds one (True), or, auto, both modes."""
+    return {"on": (True,), "off": (False,)}.get(cfg.lookup_first, (False, True))
+
+
+class PositionDrafts(Proposer):
+    """A chain proposer's `k` greedy drafts at every position of a decode that verifies none of them:
+    each step proposes to it, records what it drafted and offers the target nothing, so the decode
+    emits one token a step and the proposer is committed with it. What a model keeps is made of the
+    emitted text and the target's states along it, so these are the drafts a decode at any K would see
+    at each position (`planning.walk_hybrid`)."""
+
+    def __init__(self, inner: Proposer, k: int):
+        self.inner, self.k, self.drafts = inner, k, []
+        self.hidden_layers = tuple(inner.hidden_layers)
+
+    @property
+    def forwards(self) -> int:
+        return self.inner.forwards
+
+    def reset(self, prompt, hidden=None):
+        self.drafts = []
+        if self.hidden_layers:
+            self.inner.reset(prompt, hidden=hidden)
+        else:
+            self.inner.reset(prompt)
+
+    def propose(self, k, sequence):
+        drafts, _ = self.inner.propose(self.k, sequence)
+        self.drafts.append(drafts.tolist())  # a host read: calibration is not timed
+        return drafts[:0], None
+
+    def keep(self, n_accepted, emitted, verdict, hidden):
+        self.inner.keep(n_accepted, emitted, verdict, hidden)
+
+
+def walked_hybrid(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
+                  prompts: int) -> dict:
+    """A chain hybrid's steps at every K = 1 .. PLAN_MAX_K and mode (`lookup_modes`), walked exactly
+    over the target's greedy continuations (`planning.walk_hybrid`) from its model's drafts at every
+    position (`PositionDrafts`: one proposal a token, where a decode at the deepest K read the
+    model's drafts at its steps only, and a step's mix of lookup and model could not be told from
+    its per-position acceptance); prompts read until the deepest K's tokens a step is known. Its
+    acceptance is the model's own at the deepest K, walked alone."""
+    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes).alone()
+    new_lookup, modes = BY_NAME[cfg.hybrid].lookup, lookup_modes(cfg)
+    walked: dict[tuple[int, bool], list[HybridStep]] = {(k, f): [] for k in range(1, PLAN_MAX_K + 1) for f in modes}
+    alone: list[HybridStep] = []
+    per_prompt = []
+    for i, (p, decoder) in enumerate(calibration_decoders(cfg, models, calibration, measurer, settings, prompts)):
+        measurer.doing(f"calibration: drafts at every position of prompt {i + 1} of at most {prompts}")
+        proposer = decoder.proposer
+        decoder.proposer = recorder = PositionDrafts(proposer, PLAN_MAX_K)
+        try:
+            continuation = decoder.generate(p.ids, cfg.max_new_tokens).tokens
+        finally:
+            decoder.proposer = proposer
+        for k, first in walked:
+            walked[(k, first)] += walk_hybrid(p.ids, continuation, looking_up(new_lookup(settings), p.ids),
+                                              recorder.drafts, k, cfg.max_new_tokens, first)
+        alone += walk_hybrid(p.ids, continuation, lambda sequence, n: [], recorder.drafts, PLAN_MAX_K,
+                             cfg.max_new_tokens, False)
+        deepest = walk_hybrid(p.ids, continuation, looking_up(new_lookup(settings), p.ids), recorder.drafts,
+                              PLAN_MAX_K, cfg.max_new_tokens, modes[-1])
+        per_prompt.append((sum(s.tokens for s in deepest), len(deepest)))
+        measurer.tick()
+        if enough_prompts(per_prompt):
+            break
+    steps = max(1, len(alone))
+    return {"per_position": [sum(s.tokens > j for s in alone) / steps for j in range(1, PLAN_MAX_K + 1)],
+            "proposal_rates": None, "prompts": len(per_prompt), "extra_tokens": 0.0, "by_k": None,
+            "hybrid_walks": {f"{k},{int(first)}": sorted(Counter((s.nodes, s.model, s.tokens) for s in found).items())
+                             for (k, first), found in walked.items()}}
+
+
+def hybrid_steps(kept: dict | None) -> dict[tuple[int, bool], list[HybridStep]] | None:
+    """`walked_hybrid`'s steps as the cache keeps them (counts of each step) back as steps."""
+    if not kept:
+        return None
+    out = {}
+    for key, counted in kept.items():
+        k, first = (int(v) for v in key.split(","))
+        out[(k, bool(first))] = [HybridStep(int(n), bool(m), int(t)) for (n, m, t), c in counted for _ in range(c)]
+    return out
 
 
 def looking_up(lookup, prompt: list[int]):
@@ -389,4 +501,4 @@ def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibrat
 
 __all__ = ["CALIBRATION_PROMPTS", "CONTINUATION_BATCH", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "Calibration",
            "calibration_prompts", "check_calibration", "continuation_prompts", "drafter_acceptance", "read_calibration",
-           "recorded_acceptance", "replays", "tree_acceptance", "verified_layers", "walks"]
+           "recorded_acceptance", "replays", "tree_acceptance", "verified_layers", "walks", "walks_hybrid"]

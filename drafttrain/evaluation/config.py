@@ -154,6 +154,11 @@ class EvalConfig:
         f"At most {TREE_MAX_NODES}.", metavar="N|auto", at_least=2, at_most=TREE_MAX_NODES, parse=int_or_auto, auto=True)
     tree_topk: int = setting(DYNAMIC_TREE_TOPK, "EAGLE-3 dynamic tree: nodes expanded per depth, and children drafted per node.",
                              metavar="N", at_least=1)
+    lookup_first: str = setting(
+        "auto", "With a lookup joined (--ngram, +ngram): on verifies the lookup's continuation alone wherever it finds "
+        "one, and the drafter drafts only where it finds nothing; off verifies both each step, as one tree (on a GPU "
+        "extra nodes cost almost nothing; on a CPU each costs a share of a step); auto: off, or with "
+        "--num-draft-tokens auto, whichever this machine's measured costs favour.", choices=("auto", "on", "off"))
     overwrite: bool = setting(False, "Replace an earlier report in --out whole (nothing of it remains).")
     quiet: bool = setting(False, "No progress bar.")
 
@@ -242,6 +247,7 @@ class EvalConfig:
                               top_p=self.top_p, generator=generator, record_margins=record_margins, tree=self.tree,
                               tree_nodes=self.tree_nodes if nodes is None else nodes,
                               tree_topk=self.tree_topk if topk is None else topk, hybrid=self.hybrid,
+                              lookup_first=bool(self.hybrid) and self.lookup_first == "on",
                               kind_settings={f: getattr(self, f) for f in kind_fields()})
 
     @property

@@ -58,11 +58,11 @@ from ..errors import UserError
 from ..kinds.factory import build_decoder, tree_choice
 from ..kinds.registry import BY_NAME, target_alone, trained_drafter
 from ..planning import (NODE_BUDGETS, Costs, Plan, TreeCosts, fallback_plan, implausible, noisy, plan_chain,
-                        plan_tree_measured)
+                        plan_hybrid_chain, plan_tree_measured)
 from ..prompts import EncodedPrompt
 from ..trees import TREE_CHOICES
 from .calibration import (CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS, Acceptance, Calibration,
-                          calibration_prompts, check_calibration, continuation_prompts, drafter_acceptance,
+                          calibration_prompts, chain_hybrid, check_calibration, continuation_prompts, drafter_acceptance,
                           tree_acceptance, verified_layers)
 from .config import PLAN_MAX_K, PLAN_MAX_NODES, PLAN_PROBE_TOKENS, EvalConfig
 from .costs import forward_curve
@@ -159,6 +159,31 @@ def drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], accep
     if cfg.hybrid:  # a hybrid also looks up its lookup's branch every step
         seconds = [s + lookup for s, lookup in zip(seconds, lookup_seconds(cfg, cfg.hybrid, ids, max_k))]
     return seconds, noise
+
+
+def hybrid_lookup_seconds(cfg: EvalConfig, probes: list[list[int]], max_k: int) -> list[float]:
+    """A chain hybrid's lookup share of a step looking up k = 0 .. max_k, the mean over the probes
+    (host time of milliseconds: measured each plan, not kept)."""
+    at = [lookup_seconds(cfg, cfg.hybrid, ids, max_k) for ids in probes]
+    return [fmean(s[k] for s in at) for k in range(max_k + 1)]
+
+
+def walked_summary(walks: dict) -> list[dict]:
+    """The report's line per walked hybrid setting: tokens a step, the share of steps the model
+    drafted, the nodes a step verified (beside the pending token)."""
+    out = []
+    for (k, first), steps in sorted(walks.items()):
+        n = max(1, len(steps))
+        out.append({"num_draft_tokens": k, "lookup_first": first, "steps": len(steps),
+                    "tokens_per_step": sum(s.tokens for s in steps) / n, "model_share": sum(s.model for s in steps) / n,
+                    "nodes_per_step": sum(s.nodes for s in steps) / n})
+    return out
+
+
+def model_only(costs: Costs, lookup: list[float]) -> Costs:
+    """A hybrid's chain costs with the lookup's share taken out of its drafting: a lookup-first step
+    pays the lookup and not the model (`planning.hybrid_step_seconds`)."""
+    return dataclasses.replace(costs, draft=tuple(max(0.0, d - l) for d, l in zip(costs.draft, lookup)))
 
 
 def model_drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance,
@@ -337,9 +362,17 @@ def plan_drafter(plan: DrafterPlanning, probes: list[list[int]]) -> tuple[Plan, 
     acceptance = drafter_acceptance(cfg, models, plan.calibration, plan.measurer, plan.acceptance)
     max_k = min(PLAN_MAX_K, len(acceptance.per_position))
     costs, doubts, rounds = trusted_chain_costs(plan, probes, acceptance, max_k)
-    chosen = fallback_plan() if doubts else plan_chain(acceptance.per_position, costs, acceptance.proposal_rates,
-                                                       max_k, acceptance.extra_tokens, acceptance.by_k)
+    lookup = hybrid_lookup_seconds(cfg, probes, max_k) if acceptance.hybrid_walks else None
+    if doubts:
+        chosen = fallback_plan()
+    elif lookup is not None:
+        chosen = plan_hybrid_chain(acceptance.hybrid_walks, model_only(costs, lookup), lookup)
+    else:
+        chosen = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens,
+                            acceptance.by_k)
     block = {"num_draft_tokens": chosen.num_draft_tokens, "tree_nodes": None, "tree_topk": None,
+             **({"lookup_first": chosen.lookup_first, "lookup_seconds": lookup,
+                 "walked_hybrid": walked_summary(acceptance.hybrid_walks)} if lookup is not None else {}),
              "costs": {**costs.as_dict(), "context_lengths": [len(ids) for ids in probes], "rounds": rounds},
              "untrusted": doubts,
              "planned_speedup": chosen.planned_speedup, "expected_tokens": chosen.expected_tokens,
@@ -520,7 +553,8 @@ def drafter_key(cfg: EvalConfig) -> str | None:
 def decode_settings_key(cfg: EvalConfig) -> dict:
     """The settings that move acceptance, beside the drafter's own (`drafter_key`)."""
     return {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
-            "num_draft_tokens": cfg.num_draft_tokens, "tree_nodes": cfg.tree_nodes, "plan_max_k": PLAN_MAX_K}
+            "num_draft_tokens": cfg.num_draft_tokens, "tree_nodes": cfg.tree_nodes, "plan_max_k": PLAN_MAX_K,
+            **({"lookup_first": cfg.lookup_first} if cfg.hybrid else {})}
 
 
 class PlanRun:
@@ -555,7 +589,8 @@ def expected_units(cfg: EvalConfig, models: LoadedModels, probes: list[list[int]
     """A plan's units of work for its progress line, at most: calibration prompts, cost rounds, trees."""
     if plans_a_tree(cfg, models):
         return len(tree_settings(cfg, models)[2]) * min(CALIBRATION_PROMPTS, calibration) + 2 + EXPECTED_TREE_STEPS
-    prompts = min(LOOKUP_CALIBRATION_PROMPTS if BY_NAME[cfg.drafter_kind].planned_from_walks else CALIBRATION_PROMPTS,
+    walked = BY_NAME[cfg.drafter_kind].planned_from_walks or chain_hybrid(cfg)
+    prompts = min(LOOKUP_CALIBRATION_PROMPTS if walked else CALIBRATION_PROMPTS,
                   calibration) if cfg.calibration_prompts else 0
     return prompts + 2 * COST_ROUNDS * len(probes)
 
@@ -592,10 +627,12 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: l
             plan, block = plan_drafter(planning, probes)
             bar.total = bar.n
             planning.measurer.doing(f"K = {plan.num_draft_tokens}" + (f", {plan.tree_nodes} nodes" if tree else "")
+                                    + {True: ", lookup first", False: ", lookup beside", None: ""}[plan.lookup_first]
                                     + (" (from the plan cache)" if planning.measurer.cached else ""))
         warn_noise(cfg, block["noise"], planning.measurer.cached)  # below its progress line, not inside it
         warn_untrusted(cfg, block["untrusted"])
-        planned.append(dataclasses.replace(cfg, num_draft_tokens=plan.num_draft_tokens,
+        mode = {True: "on", False: "off"}.get(plan.lookup_first, cfg.lookup_first)
+        planned.append(dataclasses.replace(cfg, num_draft_tokens=plan.num_draft_tokens, lookup_first=mode,
                                            tree_nodes=plan.tree_nodes if tree else None,
                                            tree_topk=plan.tree_topk if tree and plan.tree_topk else cfg.tree_topk))
         blocks.append({**block, **not_applicable, "cached": planning.measurer.cached,

@@ -27,7 +27,8 @@ def tree_name(drafter: Drafter, s: DecodeSettings) -> str | None:
     None for chain drafters."""
     if s.lookup:
         model = tree_name(drafter, s.alone()) or "model chain"
-        return f"{model} + {kind_of(s.lookup).label} chain (up to {s.num_draft_tokens} nodes)"
+        lookup = f"{kind_of(s.lookup).label} chain (up to {s.num_draft_tokens} nodes)"
+        return f"{lookup}, else {model}" if s.lookup_first else f"{model} + {lookup}"
     tree = tree_choice(drafter, s)
     if tree is not None:
         return tree[0]
@@ -39,7 +40,7 @@ def tree_name(drafter: Drafter, s: DecodeSettings) -> str | None:
 def max_step_tokens(drafter: Drafter, s: DecodeSettings) -> int:
     """The most tokens one verification step adds to the target's cache: K + 1, or a tree's nodes;
     a hybrid adds at most K more (the lookup's chain)."""
-    lookup = s.num_draft_tokens if s.lookup else 0
+    lookup = s.num_draft_tokens if s.lookup and not s.lookup_first else 0  # lookup first: one chain or the other
     tree = tree_choice(drafter, s)
     paths = [] if tree is None or tree[1] == "dynamic" else tree[1]
     if kind_of(drafter.kind).grows_trees:  # any tree the draft may grow: its cache is sized once per run
@@ -60,6 +61,7 @@ def build_decoder(target, drafter: Drafter, settings: DecodeSettings) -> Decoder
                          f"not {drafter.kind} at temperature {settings.temperature}")
     decoder = kind.build(as_cached_lm(target), drafter, settings)
     if lookup:
-        decoder = hybrid_decoder(decoder, kind_of(lookup).lookup(settings), settings.num_draft_tokens)
+        decoder = hybrid_decoder(decoder, kind_of(lookup).lookup(settings), settings.num_draft_tokens,
+                                 settings.lookup_first)
     decoder.tree_name = tree_name(drafter, settings)
     return decoder

@@ -360,7 +360,10 @@ class FeatureChainProposer(RuntimeView, Proposer):
         return self.draft(k, sequence)
 
     def commit(self, n_accepted, emitted, hidden=None):
+        """Feeds the kept positions; drafts made ahead (`reset`'s) are for a root now passed, where a
+        hybrid's lookup drafted the step alone (`HybridDrafter.lookup_first`)."""
         self.runtime.commit(hidden, emitted)
+        self._next = None
 
 
 __all__ = ["DraftKVCache", "FeatureChainProposer", "FeatureDraftRuntime", "RuntimeView"]

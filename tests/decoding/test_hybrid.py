@@ -135,25 +135,28 @@ def check_greedy(target, decoder, k, max_new=25):
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("kind", ["draft", "parallel_draft"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_equals_generate(engine, kind, k):
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_greedy_equals_generate(engine, kind, k, lookup_first):
     target = tiny_lm(0)
     draft = noisy_copy(target) if kind == "draft" else tiny_lm(1)
-    settings = DecodeSettings(num_draft_tokens=k, hybrid="ngram")
+    settings = DecodeSettings(num_draft_tokens=k, hybrid="ngram", lookup_first=lookup_first)
     decoder = ready(build_decoder(on_engine(target, engine), lm_drafter(kind, draft, engine), settings), engine)
-    assert decoder.num_tree_nodes == 2 * k + 1
+    assert decoder.num_tree_nodes == (k + 1 if lookup_first else 2 * k + 1)
     check_greedy(target, decoder, k)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("model", TREE_MODELS)
 @pytest.mark.parametrize("k", [1, 3])
-def test_tree_hybrids_equal_generate(models, engine, model, k):
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_tree_hybrids_equal_generate(models, engine, model, k, lookup_first):
     target, drafter, extra = models[model]
-    settings = DecodeSettings(num_draft_tokens=k, hybrid="ngram", **extra)
+    settings = DecodeSettings(num_draft_tokens=k, hybrid="ngram", lookup_first=lookup_first, **extra)
     decoder = ready(build_decoder(on_engine(target, engine), drafter, settings), engine)
     alone = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=k, **extra))
     assert decoder.num_draft_tokens == alone.num_draft_tokens
-    assert decoder.num_tree_nodes == alone.num_tree_nodes + alone.num_draft_tokens <= max_step_tokens(drafter, settings)
+    largest = max(alone.num_tree_nodes, k + 1) if lookup_first else alone.num_tree_nodes + alone.num_draft_tokens
+    assert decoder.num_tree_nodes == largest <= max_step_tokens(drafter, settings)
     assert decoder.tree_name == tree_name(drafter, settings)
     check_greedy(target, decoder, k)
 
@@ -172,11 +175,12 @@ def gemma3_models():
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("model", ["draft", "parallel_draft", "eagle3-dynamic", "medusa"])
-def test_hybrids_equal_generate_on_gemma3(gemma3_models, engine, model):
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_hybrids_equal_generate_on_gemma3(gemma3_models, engine, model, lookup_first):
     target, drafter, extra = gemma3_models[model]
     if model in ("draft", "parallel_draft"):
         drafter = lm_drafter(model, drafter, engine)
-    settings = DecodeSettings(num_draft_tokens=3, hybrid="ngram", **extra)
+    settings = DecodeSettings(num_draft_tokens=3, hybrid="ngram", lookup_first=lookup_first, **extra)
     check_greedy(target, ready(build_decoder(on_engine(target, engine), drafter, settings), engine), 3)
 
 
@@ -247,9 +251,10 @@ def spy(hybrid) -> list[dict]:
     return steps
 
 
-def spied_hybrid(models, model):
+def spied_hybrid(models, model, lookup_first=False):
     target, drafter, extra = models[model]
-    decoder = build_decoder(target, drafter, DecodeSettings(num_draft_tokens=3, hybrid="ngram", **extra))
+    settings = DecodeSettings(num_draft_tokens=3, hybrid="ngram", lookup_first=lookup_first, **extra)
+    decoder = build_decoder(target, drafter, settings)
     return decoder, spy(decoder.drafter)
 
 
@@ -265,16 +270,21 @@ def test_lookup_nodes_counts_the_nodes_the_lookup_added(models, model):
 
 
 @pytest.mark.parametrize("model", ["draft", *TREE_MODELS])
-def test_the_model_drafts_what_it_would_alone_whichever_branch_won(models, model):
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_the_model_drafts_what_it_would_alone_whichever_branch_won(models, model, lookup_first):
     """The model is committed with the path the target accepted, through its own nodes or the
-    lookup's: every step it drafts exactly what it drafts from the same text after a fresh prefill."""
-    decoder, steps = spied_hybrid(models, model)
+    lookup's (or, lookup first, after steps it did not draft at all): every step it drafts exactly
+    what it drafts from the same text after a fresh prefill."""
+    decoder, steps = spied_hybrid(models, model, lookup_first)
     for prompt in PROMPTS:
         decoder.generate(prompt, 30)
     lookup_won = [max(s["path"]) >= len(s["model"]) for s in steps]
     model_won = [not lookup and len(s["path"]) > 1 for lookup, s in zip(lookup_won, steps)]
-    assert any(lookup_won) and any(model_won), "both branches must win steps for this to test anything"
-    fresh, first = spied_hybrid(models, model)
+    if lookup_first:  # the model drafts after steps it did not draft, from the state the lookup's path left
+        assert any(won and after["depth"] for won, after in zip(lookup_won, steps[1:]))
+    else:
+        assert any(lookup_won) and any(model_won), "both branches must win steps for this to test anything"
+    fresh, first = spied_hybrid(models, model, lookup_first)
     for s in steps:
         if s["depth"]:
             before = len(first)
@@ -323,3 +333,33 @@ def test_the_lookup_goes_k_deep_where_the_node_budget_keeps_the_model_shallower(
     assert max(len(s["path"]) for s in steps) == 3 + 1  # a lookup path accepted 3 deep
     assert all(len(s["model"]) <= 2 for s in steps)   # the model's own tree kept to its budget
     check_greedy(target, hybrid, 3)
+
+
+@pytest.mark.parametrize("model", ["draft", *TREE_MODELS])
+def test_lookup_first_verifies_the_lookup_alone_where_it_finds_one(models, model):
+    """Lookup first: a step where the lookup finds a continuation verifies exactly that chain and the
+    model runs no forward for it; a step where it finds none verifies the model's tree as it is.
+    Both kinds of step happen, and the model's forwards are fewer than beside the lookup every step."""
+    decoder, steps = spied_hybrid(models, model, lookup_first=True)
+    hybrid, drafting = decoder.drafter, decoder.drafter.draft
+    seen = []
+
+    def checking(root, depth):
+        forwards = hybrid.forwards
+        tokens, tree = drafting(root, depth)
+        seen.append((list(hybrid.last_lookup), tokens.tolist(), hybrid.forwards - forwards))
+        return tokens, tree
+
+    hybrid.draft = checking
+    for prompt in PROMPTS:
+        decoder.generate(prompt, 30)
+    for (lookup, tokens, forwards), step in zip(seen, steps):
+        if lookup:
+            assert step["depth"] == 0 and tokens[1:] == lookup and forwards == 0
+        else:
+            assert tokens == step["model"] and (len(tokens) > 1 or step["depth"] == 0)  # 0: the budget is spent
+    assert any(s[0] for s in seen) and not all(s[0] for s in seen)
+    both, _ = spied_hybrid(models, model)
+    for prompt in PROMPTS:
+        both.generate(prompt, 30)
+    assert hybrid.forwards < both.drafter.forwards

@@ -129,3 +129,49 @@ def test_a_run_planning_a_lookup_decodes_the_lookups_budget():
     assert continuation_prompts([cfg(draft="d")]) == CALIBRATION_PROMPTS
     fixed = EvalConfig(target="t", prompts=["p"], out="o", method="ngram", num_draft_tokens=3)
     assert continuation_prompts([fixed, cfg(draft="d")]) == CALIBRATION_PROMPTS  # a lookup not planned reads none
+
+
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_a_hybrid_walk_takes_the_steps_the_hybrid_decoder_takes(lookup_first):
+    """`planning.walk_hybrid` from the model's drafts at every position (`PositionDrafts`: a decode
+    that verifies none of them) against the real hybrid decoder on a float64 target, every K, both
+    modes: step after step the same tokens emitted, the same nodes verified, the model drafting at
+    the same steps."""
+    from tiny import noisy_copy
+
+    from drafttrain.decoding import DecodeSettings
+    from drafttrain.kinds.base import Drafter
+    from drafttrain.kinds.factory import build_decoder
+    from drafttrain.kinds.ngram.decode import ngram_lookup
+    from drafttrain.planning import walk_hybrid
+
+    model = tiny_lm(seed=3, vocab_size=24, sharpness=12.0)  # a small vocabulary: the text repeats itself
+    draft = Drafter("draft", noisy_copy(model, scale=0.6))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 9, 10], [11, 12, 13, 11, 12, 14], [3, 4, 3, 4, 3, 4, 15]]
+    won = {"model": 0, "lookup": 0}
+    for k in (1, 2, 3, 5):
+        hybrid = build_decoder(model, draft, DecodeSettings(num_draft_tokens=k, hybrid="ngram", lookup_first=lookup_first))
+        drafting, seen = hybrid.drafter.draft, []
+
+        def spying(root, depth):
+            forwards = hybrid.drafter.forwards
+            tokens, tree = drafting(root, depth)
+            seen.append((tokens.numel() - 1, hybrid.drafter.forwards > forwards))
+            return tokens, tree
+
+        hybrid.drafter.draft = spying
+        for prompt in prompts:
+            alone = build_decoder(model, draft, DecodeSettings(num_draft_tokens=6))
+            alone.proposer = recorder = calibrating.PositionDrafts(alone.proposer, 6)
+            continuation = alone.generate(prompt, 40).tokens
+            seen.clear()
+            gen = hybrid.generate(prompt, 40)
+            assert gen.tokens == continuation and len(recorder.drafts) == len(continuation)
+            walked = walk_hybrid(prompt, continuation, lambda seq, n: ngram_lookup(seq, n, 3), recorder.drafts, k, 40,
+                                 lookup_first)
+            assert [s.tokens - 1 for s in walked] == gen.accepted_lengths
+            assert [(s.nodes, s.model) for s in walked] == seen
+            looked_up = [not s.model or s.nodes > k for s in walked]  # (both: its nodes beside the model's K)
+            won["lookup"] += sum(found and s.tokens > 1 for found, s in zip(looked_up, walked))
+            won["model"] += sum(not found and s.tokens > 1 for found, s in zip(looked_up, walked))
+    assert won["model"] > 5 and won["lookup"] > 5  # both kinds of step accept drafts: the walk is checked where it matters

@@ -125,12 +125,29 @@ def test_a_hybrid_eval_is_lossless_and_names_its_tree(setup, tmp_path):
     assert report["overall"]["outputs_match_baseline"] == 1.0
 
 
-def test_a_planned_hybrid_counts_its_ngram_nodes(setup, tmp_path):
-    assert main(argv(setup, tmp_path / "o", "--ngram", "--calibration-prompts", setup["calibration"],
-                     drafter=("--draft", setup["draft"]))) == 0
-    plan = json.loads((tmp_path / "o" / "report.json").read_text())["plan"]
-    assert len(plan["costs"]["verify_seconds"]) == 2 * PLAN_MAX_K + 1
-    assert plan["extra_tokens"] >= 0 and plan["proposal_rates"] is None
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_a_planned_chain_hybrid_weighs_its_modes_and_decodes_the_one_chosen(setup, tmp_path, mode):
+    """A chain hybrid is walked at every K in the modes `--lookup-first` leaves to the plan (auto:
+    both), costs measured as far as both chains side by side; the report says the mode chosen, and
+    the decode runs it (its tree's name), losslessly."""
+    assert main(argv(setup, tmp_path / "o", "--ngram", "--lookup-first", mode, "--calibration-prompts",
+                     setup["calibration"], drafter=("--draft", setup["draft"]))) == 0
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    plan = report["plan"]
+    assert len(plan["costs"]["verify_seconds"]) == 2 * PLAN_MAX_K + 1 and len(plan["lookup_seconds"]) == PLAN_MAX_K + 1
+    modes = {"auto": [False, True], "on": [True], "off": [False]}[mode]
+    walked = plan["walked_hybrid"]
+    assert [(w["num_draft_tokens"], w["lookup_first"]) for w in walked] == [(k, f) for k in range(1, PLAN_MAX_K + 1)
+                                                                            for f in modes]
+    assert all(w["tokens_per_step"] >= 1 and 0 <= w["model_share"] <= 1 for w in walked)
+    assert [c["lookup_first"] for c in plan["candidates"]] == [None] + [f for _ in range(PLAN_MAX_K) for f in modes]
+    chosen = max(plan["candidates"], key=lambda c: c["planned_speedup"])
+    assert (plan["num_draft_tokens"], plan["lookup_first"]) == (chosen["num_draft_tokens"], chosen["lookup_first"])
+    if plan["num_draft_tokens"]:
+        first = plan["lookup_first"]
+        assert report["config"]["lookup_first"] == ("on" if first else "off")
+        assert report["overall"]["tree"].startswith("n-gram chain" if first else "model chain + n-gram")
+    assert report["overall"]["outputs_match_baseline"] == 1.0
 
 
 @pytest.mark.parametrize("extra, words", [(("--ngram",), ["--draft DIR"]),

@@ -492,7 +492,10 @@ class Eagle3TreeDrafter(RuntimeView, TreeDrafter):
         return self._grow(device_tensor(prompt[-1:], self.device))
 
     def commit(self, nodes, accepted, bonus, hidden=None):
+        """Feeds the accepted path; a tree grown ahead (`reset`'s) is below a root now passed, where a
+        hybrid's lookup drafted the step alone (`HybridDrafter.lookup_first`)."""
         self.runtime.commit(hidden, list(accepted) + [bonus])
+        self._next = None
 
     @property
     def fused(self) -> bool:

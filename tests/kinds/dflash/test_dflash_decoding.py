@@ -52,9 +52,11 @@ def test_greedy_equals_generate(trained_pair, engine, k):
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("lookup", ["ngram", "suffix"])
-def test_greedy_hybrids_equal_generate(trained_pair, engine, lookup):
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_greedy_hybrids_equal_generate(trained_pair, engine, lookup, lookup_first):
     target, draft = trained_pair
-    assert assert_greedy_equal(target, decoder_of(target, draft, engine, 3, hybrid=lookup), 2 * 3) > 0
+    decoder = decoder_of(target, draft, engine, 3, hybrid=lookup, lookup_first=lookup_first)
+    assert assert_greedy_equal(target, decoder, 3 if lookup_first else 2 * 3) > 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)
