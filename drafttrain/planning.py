@@ -272,6 +272,14 @@ class TreeStep:
     lookup: tuple[int, ...] = ()   # a hybrid's n-gram chain, verified beside the candidates
 
 
+def lookup_accepted(step: TreeStep, depth: int) -> int:
+    """Drafts of the step's lookup chain, cut to `depth`, that the target accepts."""
+    n = 0
+    while n < min(depth, len(step.lookup), len(step.continuation)) and step.lookup[n] == step.continuation[n]:
+        n += 1
+    return n
+
+
 def accepted_within(step: TreeStep, depth: int, nodes: int) -> int:
     """Drafts the step would have accepted with a tree of `nodes` nodes (pending included) at most
     `depth` deep, plus a hybrid's n-gram chain cut to `depth`."""
@@ -289,11 +297,7 @@ def accepted_within(step: TreeStep, depth: int, nodes: int) -> int:
         if node is None:
             break
         accepted += 1
-    lookup = 0
-    while lookup < min(depth, len(step.lookup), len(step.continuation)) and \
-            step.lookup[lookup] == step.continuation[lookup]:
-        lookup += 1
-    return max(accepted, lookup)
+    return max(accepted, lookup_accepted(step, depth))
 
 
 def tree_expected_tokens(steps: list[TreeStep], depth: int, nodes: int) -> float:
@@ -435,17 +439,63 @@ def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) 
     return verify + beyond_verification(table, costs, topk, depth, nodes), False
 
 
-def plan_tree(table: TreeTable, costs: TreeCosts, measured_only: bool = False) -> Plan:
+FirstTable = dict[tuple[int, int, int], tuple[float, float, float]]  # (top-k, depth, nodes) -> (tokens a step,
+                                                                     # lookup share, its nodes a lookup step)
+
+
+def lookup_first_table(steps: dict[int, list[TreeStep]], table: TreeTable) -> FirstTable:
+    """Every tree of `table` as a lookup-first hybrid's model (`decoding.hybrid`: the lookup's chain
+    alone where it finds one, the model's tree where it finds none), read off the same recorded steps
+    of a hybrid verifying both: its tokens a step, the share of steps the lookup proposes, and the
+    lookup's nodes in those steps, cut to the depth. The steps start where the recorded decode's did,
+    the approximation every smaller tree read off the largest one makes."""
+    out = {}
+    for topk, depth, nodes in table:
+        recorded = steps.get(topk) or []
+        if not recorded:
+            continue
+        found = [s for s in recorded if s.lookup]
+        accepted = sum(lookup_accepted(s, depth) if s.lookup else accepted_within(s, depth, nodes) for s in recorded)
+        out[(topk, depth, nodes)] = (1.0 + accepted / len(recorded), len(found) / len(recorded),
+                                     sum(min(len(s.lookup), depth) for s in found) / len(found) if found else 0.0)
+    return out
+
+
+def lookup_first_seconds(table: TreeTable, first: FirstTable, costs: TreeCosts,
+                         key: tuple[int, int, int]) -> tuple[float, bool]:
+    """A lookup-first hybrid's step seconds with this tree, and whether a measurement settles them:
+    where the lookup proposes, the verification of its chain and a plain step's loop; elsewhere the
+    tree's step (`tree_seconds`, measured beside the lookup's nodes) less those nodes' verification."""
+    both, settled = tree_seconds(table, costs, key)
+    nodes, extra = key[2], table[key][1]
+    model = both - (costs.verify_seconds(nodes + extra) - costs.verify_seconds(nodes))
+    _, share, lookup_nodes = first[key]
+    lookup = costs.verify_seconds(1 + lookup_nodes) + max(0.0, costs.plain - costs.verify[0])
+    return share * lookup + (1 - share) * model, settled
+
+
+def plan_tree(table: TreeTable, costs: TreeCosts, measured_only: bool = False, first: FirstTable | None = None,
+              modes: tuple[bool, ...] = (False,)) -> Plan:
     """The (top-k, depth, nodes) of `table` with the most expected tokens per second, or the target
     alone, each tree priced by `tree_seconds` (`measured_only`: only trees it settles by a
-    measurement). A tree not measured is planned at the most it could reach."""
+    measurement). A tree not measured is planned at the most it could reach. A hybrid (`first`, its
+    `lookup_first_table`) weighs each tree in `modes` (False: both branches verified each step; True:
+    lookup first, `lookup_first_seconds`)."""
     candidates = [Candidate(0, 1.0, 1.0, measured=True)]
+    hybrid = None if first is None else False
     for key, (expected, _) in sorted(table.items()):
-        seconds, measured = tree_seconds(table, costs, key)
-        if measured_only and not measured:
-            continue
         topk, depth, nodes = key
-        candidates.append(Candidate(depth, expected, expected * costs.plain / seconds, nodes, topk, measured=measured))
+        if False in modes:
+            seconds, measured = tree_seconds(table, costs, key)
+            if measured or not measured_only:
+                candidates.append(Candidate(depth, expected, expected * costs.plain / seconds, nodes, topk,
+                                            measured=measured, lookup_first=hybrid))
+        if first is not None and True in modes and key in first:
+            seconds, measured = lookup_first_seconds(table, first, costs, key)
+            if measured or not measured_only:
+                tokens = first[key][0]
+                candidates.append(Candidate(depth, tokens, tokens * costs.plain / seconds, nodes, topk,
+                                            measured=measured, lookup_first=True))
     return best_plan(candidates)
 
 
@@ -454,7 +504,8 @@ TIE = 0.03  # a tree within this much of the best measured one is not measured: 
 
 
 def plan_tree_measured(table: TreeTable, costs: TreeCosts, measure, extend=None, limit: int = MEASURED_TREES,
-                       tie: float = TIE) -> tuple[Plan, TreeCosts]:
+                       tie: float = TIE, first: FirstTable | None = None,
+                       modes: tuple[bool, ...] = (False,)) -> tuple[Plan, TreeCosts]:
     """The plan that measuring every tree whole would give, measuring only what the decision needs, and the
     costs it measured (branch and bound). Each tree is priced as `tree_seconds` knows it: its own
     measured step, a wider sibling's (the most it can cost), else the least it can cost. While the
@@ -471,10 +522,11 @@ def plan_tree_measured(table: TreeTable, costs: TreeCosts, measure, extend=None,
     apart), the best measured tree. A small tree priced from the deepest tree's measured step moved down
     the curve was off by half on Gemma-3's lumpy curve (a 4-node tree planned 1.83x, measured 1.17x): a
     chosen tree is always priced by a step measured whole, its own or a wider sibling's of its depth and
-    nodes."""
+    nodes. A hybrid's trees are weighed in `modes` (`plan_tree`); a lookup-first tree is settled by the
+    same measured step as the tree beside the lookup."""
     measured = 0
     while True:
-        plan = plan_tree(table, costs)
+        plan = plan_tree(table, costs, first=first, modes=modes)
         key = (plan.tree_topk, plan.num_draft_tokens, plan.tree_nodes)
         if plan.num_draft_tokens == 0 or tree_seconds(table, costs, key)[1]:
             return plan, costs
@@ -483,7 +535,7 @@ def plan_tree_measured(table: TreeTable, costs: TreeCosts, measure, extend=None,
             if wider is not None:
                 costs = wider
                 continue
-        settled = plan_tree(table, costs, measured_only=True)
+        settled = plan_tree(table, costs, measured_only=True, first=first, modes=modes)
         if measured >= limit or plan.planned_speedup <= settled.planned_speedup * (1 + tie):
             return dataclasses.replace(settled, candidates=plan.candidates), costs  # every tree weighed, for the report
         costs.exact[key] = measure(*key)
@@ -574,7 +626,8 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
 
 
 __all__ = ["CALIBRATION_TOLERANCE", "MEASURED_TREES", "MIN_CALIBRATION_PROMPTS", "NODE_BUDGETS", "Candidate", "Costs",
-           "HybridStep", "Plan", "agreed", "hybrid_step_seconds", "plan_hybrid_chain", "walk_hybrid", "TreeCosts", "TreeStep", "TreeTable", "accepted_within", "best_plan", "beyond_verification",
+           "FirstTable", "HybridStep", "Plan", "agreed", "hybrid_step_seconds", "lookup_accepted",
+           "lookup_first_seconds", "lookup_first_table", "plan_hybrid_chain", "walk_hybrid", "TreeCosts", "TreeStep", "TreeTable", "accepted_within", "best_plan", "beyond_verification",
            "enough_prompts", "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain",
            "plan_tree", "plan_tree_measured", "step_seconds", "tokens_per_step", "tree_expected_tokens",
            "tree_node_limit", "tree_seconds", "tree_table", "walk_chain", "walked_rates"]

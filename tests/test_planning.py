@@ -11,7 +11,8 @@ import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
 from drafttrain.planning import (Costs, HybridStep, TreeCosts, TreeStep, accepted_within, enough_prompts, expected_tokens,
-                                 interpolate, lookup_share, noisy, plan_chain, plan_hybrid_chain, plan_tree, plan_tree_measured, step_seconds,
+                                 interpolate, lookup_first_seconds, lookup_first_table, lookup_share, noisy, plan_chain,
+                                 plan_hybrid_chain, plan_tree, plan_tree_measured, step_seconds,
                                  tokens_per_step, tree_expected_tokens, tree_node_limit, tree_seconds, tree_table,
                                  walk_chain, walked_rates)
 from drafttrain.trees import tree_from_parents
@@ -391,6 +392,35 @@ def test_a_hybrids_ngram_nodes_are_charged_cut_to_each_depth():
     assert depth1.planned_speedup == pytest.approx(tree_expected_tokens([step], 1, 2) * 1.0 / 2.5)
     assert plan.num_draft_tokens == 0  # 2 tokens a step for 2.5 plain steps: the target alone wins
     assert lookup_share([step], 1) == pytest.approx(0.25) and lookup_share([step], 4) == 1.0
+
+
+def test_a_lookup_first_tree_hybrid_is_read_off_the_steps_that_verified_both():
+    """A hybrid's recorded steps (the model's tree and the lookup's chain verified together) read as a
+    lookup-first hybrid: where the lookup proposed, its own acceptance cut to the depth (even where the
+    model's branch went further); elsewhere the model's tree. Each priced by hand: the lookup's chain
+    and a plain step's loop, or the tree's measured step less the lookup's nodes beside it. On a curve
+    where nodes cost, lookup first wins; on a flat one, both verified (which accepts more)."""
+    copy = TreeStep(tokens=(5, 6), parents=(-1, 0), depths=(1, 2), continuation=(5, 6, 9, 1), lookup=(5, 6, 9))
+    model_wins = TreeStep(tokens=(7, 8), parents=(-1, 0), depths=(1, 2), continuation=(7, 8, 3), lookup=(7, 2, 2))
+    fresh = TreeStep(tokens=(4, 3), parents=(-1, 0), depths=(1, 2), continuation=(4, 1))
+    steps = {2: [copy, model_wins, fresh]}
+    table = tree_table(steps, [2], [3], extra_tokens={2: 2.0})
+    first = lookup_first_table(steps, table)
+    tokens, share, lookup_nodes = first[(2, 2, 3)]
+    assert tokens == pytest.approx(1 + (2 + 1 + 1) / 3)  # the lookup's 2, its 1 where the model took 2, the model's 1
+    assert table[(2, 2, 3)][0] == pytest.approx(1 + (2 + 2 + 1) / 3)  # both verified
+    assert (share, lookup_nodes) == (pytest.approx(2 / 3), 2.0)
+    for curve, winner in (((1.0, 1.2, 1.4, 1.6, 1.8), True), ((1.0, 1.0, 1.0, 1.0, 1.0), False)):
+        costs = TreeCosts((1, 2, 3, 4, 5), curve, 1.1, exact={(2, 2, 3): curve[4] + 0.3})
+        lookup = curve[2] + 0.1  # 1 + 2 nodes, and the loop beyond a plain step's forward
+        model = curve[4] + 0.3 - (costs.verify_seconds(3 + table[(2, 2, 3)][1]) - curve[2])
+        assert lookup_first_seconds(table, first, costs, (2, 2, 3)) == (pytest.approx(share * lookup + (1 - share) * model), True)
+        plan = plan_tree(table, costs, first=first, modes=(False, True))
+        both, alone = (c for c in plan.candidates if c.num_draft_tokens == 2)
+        assert (both.lookup_first, alone.lookup_first) == (False, True)
+        assert alone.planned_speedup == pytest.approx(tokens * 1.1 / (share * lookup + (1 - share) * model))
+        assert plan.lookup_first is winner
+    assert {c.lookup_first for c in plan_tree(table, costs, first=first, modes=(True,)).candidates} == {None, True}
 
 
 def test_a_tree_step_between_measured_sizes_is_interpolated():

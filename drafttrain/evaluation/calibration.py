@@ -51,8 +51,8 @@ from ..kinds.base import Drafter
 from ..kinds.factory import build_decoder
 from ..kinds.registry import BY_NAME, LOOKUPS
 from ..decoding.chain import ChainDecoder, Proposer
-from ..planning import (HybridStep, TreeStep, enough_prompts, tree_node_limit, tree_table, walk_chain, walk_hybrid,
-                        walked_rates)
+from ..planning import (HybridStep, TreeStep, enough_prompts, lookup_first_table, tree_node_limit, tree_table,
+                        walk_chain, walk_hybrid, walked_rates)
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
 from ..tokens import left_pad
 from .config import PLAN_MAX_K, EvalConfig
@@ -472,8 +472,10 @@ def tree_depth_nodes(cfg: EvalConfig, models: LoadedModels, topk: int, depth: in
 def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer, store: Store,
                     depths: list[int], nodes: list[int], topks: list[int], dynamic: bool) -> dict:
     """Every tree a plan weighs with its expected tokens a step and a hybrid's n-gram nodes beside
-    it (`planning.tree_table`, as [top-k, depth, nodes, tokens, nodes beside] rows), read off the
-    recorded steps of the largest tree of each top-k; kept in `store`."""
+    it (`planning.tree_table`, as [top-k, depth, nodes, tokens, nodes beside] rows), and for a hybrid
+    each as a lookup-first hybrid's model (`planning.lookup_first_table`, as [top-k, depth, nodes,
+    tokens, lookup share, lookup nodes] rows), read off the recorded steps of the largest tree of each
+    top-k, recorded verifying both branches (`cfg` with --lookup-first off); kept in `store`."""
     prompts = min(CALIBRATION_PROMPTS, len(calibration.prompts))
 
     def record() -> dict:
@@ -491,7 +493,9 @@ def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibrat
 
         table = tree_table(steps, depths, nodes, extra, tree_node_limit if dynamic else static_limit,
                            depth_capped=dynamic and not cfg.hybrid)
+        first = lookup_first_table(steps, table) if cfg.hybrid else {}
         return {"table": [[*key, *value] for key, value in sorted(table.items())], "extra_tokens": extra,
+                "first_table": [[*key, *value] for key, value in sorted(first.items())],
                 "prompts": max(read), "steps": sum(len(s) for s in steps.values())}
 
     name = f"trees: depths {depths}, nodes {nodes}, top-k {topks}"

@@ -63,7 +63,7 @@ from ..prompts import EncodedPrompt
 from ..trees import TREE_CHOICES
 from .calibration import (CALIBRATION_PROMPTS, LOOKUP_CALIBRATION_PROMPTS, Acceptance, Calibration,
                           calibration_prompts, chain_hybrid, check_calibration, continuation_prompts, drafter_acceptance,
-                          tree_acceptance, verified_layers)
+                          lookup_modes, tree_acceptance, verified_layers)
 from .config import PLAN_MAX_K, PLAN_MAX_NODES, PLAN_PROBE_TOKENS, EvalConfig
 from .costs import forward_curve
 from .loading import LoadedModels
@@ -488,8 +488,10 @@ def trusted_tree_costs(plan: DrafterPlanning, curve: TreeCurve, ids: list[int]) 
 
 
 def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict]:
-    """The plan for Medusa heads or an EAGLE-3 draft verifying trees: depth, nodes and top-k."""
-    cfg, models = plan.cfg, plan.models
+    """The plan for Medusa heads or an EAGLE-3 draft verifying trees: depth, nodes and top-k, and a
+    hybrid's mode (`--lookup-first`). Its trees are recorded and its steps measured verifying both
+    branches; a lookup-first hybrid's are read off them (`planning.lookup_first_seconds`)."""
+    cfg, models = dataclasses.replace(plan.cfg, lookup_first="off"), plan.models
     if plan.calibration is None or not plan.calibration.prompts:
         raise UserError(f"planning {cfg.drafter_name}'s tree needs its acceptance on other prompts than the evaluated "
                         "ones; pass --calibration-prompts FILE")
@@ -498,6 +500,8 @@ def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict
     recorded = tree_acceptance(cfg, models, plan.calibration, plan.measurer, plan.acceptance, depths, nodes, topks,
                                dynamic)
     table = {(k, d, n): (e, x) for k, d, n, e, x in recorded["table"]}
+    first = {(k, d, n): (t, s, x) for k, d, n, t, s, x in recorded.get("first_table") or []} or None
+    modes = lookup_modes(plan.cfg) if first else (False,)
     layers = verified_layers(cfg, models, cfg.decode_settings(k=max(depths), nodes=max(nodes), topk=max(topks)))
     curve = TreeCurve(plan, ids, layers, curve_chunks(depths, nodes))
     costs, doubts = trusted_tree_costs(plan, curve, ids)
@@ -509,10 +513,11 @@ def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict
 
     chosen = fallback_plan() if doubts else None
     if chosen is None:
-        chosen, costs = plan_tree_measured(table, costs, measure, curve.extend)
+        chosen, costs = plan_tree_measured(table, costs, measure, curve.extend, first=first, modes=modes)
     ranked = sorted(chosen.candidates, key=lambda c: -c.planned_speedup)
     block = {"num_draft_tokens": chosen.num_draft_tokens, "tree_nodes": chosen.tree_nodes,
              "tree_topk": chosen.tree_topk if dynamic else None,
+             **({"lookup_first": chosen.lookup_first} if first else {}),
              "costs": {**costs.as_dict(), "context_lengths": [len(ids)]}, "untrusted": doubts,
              "planned_speedup": chosen.planned_speedup, "expected_tokens": chosen.expected_tokens,
              "source": f"{recorded['prompts']} calibration prompts from {cfg.calibration_prompts} "

@@ -196,6 +196,7 @@ class FeatureDraftRuntime(ABC):
         self.meta: torch.Tensor | None = None  # static: [feed tokens..., start, count] of the last feed
         self.last = None    # the draft's output at the last committed entry: predicts the token after pending
         self.committed = 0  # entries kept after the last verification (the target's cached positions)
+        self.deferred: tuple[torch.Tensor, list[int]] | None = None  # kept positions not fed yet (`commit(defer=True)`)
         self.forwards = 0   # draft forwards: feeds of the target's features and drafting steps
         self._compiled: dict[str, CompiledStep] = {}
         self._slots = torch.arange(self.cache.capacity or 0, device=self.device)
@@ -239,7 +240,7 @@ class FeatureDraftRuntime(ABC):
         """An empty cache; with a prompt and its target features (`hidden`, of prompt[:-1]), their
         entries fed: the same count as the target's cache (every position but pending's)."""
         self.cache.reset()
-        self.meta = self.last = None
+        self.meta = self.last = self.deferred = None
         if hidden is not None and prompt is not None and len(prompt) > 1:
             self.feed(hidden, prompt[1:], start=0)
         self.committed = self.length
@@ -247,12 +248,25 @@ class FeatureDraftRuntime(ABC):
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
-    def commit(self, hidden: torch.Tensor, next_tokens: list[int]) -> None:
+    def commit(self, hidden: torch.Tensor, next_tokens: list[int], defer: bool = False) -> None:
         """After a verification: forget the drafted entries, feed the kept positions' features
-        (`hidden`) and the tokens that follow them (the accepted drafts and the bonus token)."""
+        (`hidden`) and the tokens that follow them (the accepted drafts and the bonus token), with any
+        positions kept before and not fed yet. `defer`: keep them for the next feed instead (a step the
+        draft did not draft, beside a lookup that drafted alone: a feed is a draft forward, which a run
+        of lookup steps would pay each step; `flush` feeds them all in one before the draft drafts)."""
         self.rollback(self.committed)
-        self.feed(hidden, next_tokens, start=self.committed)
-        self.committed = self.length
+        if self.deferred is not None:
+            before, tokens = self.deferred
+            hidden, next_tokens = torch.cat([before, hidden]), [*tokens, *next_tokens]
+        self.deferred = (hidden, list(next_tokens)) if defer else None
+        if not defer:
+            self.feed(hidden, next_tokens, start=self.committed)
+            self.committed = self.length
+
+    def flush(self) -> None:
+        """Feed the positions `commit(defer=True)` kept, if any: before anything reads the cache or `last`."""
+        if self.deferred is not None:
+            self.commit(self.deferred[0][:0], [])
 
     @torch.inference_mode()
     def feed(self, features: torch.Tensor, next_tokens: list[int], start: int):
@@ -345,6 +359,8 @@ class FeatureChainProposer(RuntimeView, Proposer):
         """k drafts after `sequence` (and their q when sampling) from the committed features."""
         raise NotImplementedError
 
+    _proposed = False  # whether it drafted since its last commit (`commit` feeds at once, else defers)
+
     def keep(self, n_accepted, emitted, verdict, hidden):
         width = self.runtime.feed_width
         if not (self.fused and hidden is not None and hidden.shape[0] == width and verdict.shape[0] == 1 + width):
@@ -352,6 +368,8 @@ class FeatureChainProposer(RuntimeView, Proposer):
         self._next = self.keep_and_draft(verdict, hidden, self.runtime.committed + n_accepted + 1)
 
     def propose(self, k, sequence):
+        self.runtime.flush()
+        self._proposed = True
         if self.runtime.length == 0 or k == 0:  # a one-token prompt: no feature to draft from yet
             return self.empty, None
         if self._next is not None:  # drafted by the last step's `keep`
@@ -360,10 +378,11 @@ class FeatureChainProposer(RuntimeView, Proposer):
         return self.draft(k, sequence)
 
     def commit(self, n_accepted, emitted, hidden=None):
-        """Feeds the kept positions; drafts made ahead (`reset`'s) are for a root now passed, where a
-        hybrid's lookup drafted the step alone (`HybridDrafter.lookup_first`)."""
-        self.runtime.commit(hidden, emitted)
-        self._next = None
+        """Feeds the kept positions, or, where it was not asked to draft (a hybrid's lookup drafted the
+        step alone: `HybridDrafter.lookup_first`), keeps them for the feed before its next draft; drafts
+        made ahead (`reset`'s) are for a root now passed."""
+        self.runtime.commit(hidden, emitted, defer=not self._proposed)
+        self._next, self._proposed = None, False
 
 
 __all__ = ["DraftKVCache", "FeatureChainProposer", "FeatureDraftRuntime", "RuntimeView"]

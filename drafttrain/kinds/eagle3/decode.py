@@ -486,15 +486,17 @@ class Eagle3TreeDrafter(RuntimeView, TreeDrafter):
             self.max_nodes = min(nodes, candidate_count(self.max_depth, topk))
         self._ranked = None  # the last draft's candidates, for `candidates`
         self._next: DynamicTree | None = None  # the next step's tree, grown by `keep` (or `reset`)
+        self._skipped = False  # the last draft was asked for no depth: its commit defers the feed
         self._root_only = tree_from_parents([-1], self.device)  # built once: no copy in a step
 
     def first_drafts(self, prompt: list[int]) -> DynamicTree:
         return self._grow(device_tensor(prompt[-1:], self.device))
 
     def commit(self, nodes, accepted, bonus, hidden=None):
-        """Feeds the accepted path; a tree grown ahead (`reset`'s) is below a root now passed, where a
-        hybrid's lookup drafted the step alone (`HybridDrafter.lookup_first`)."""
-        self.runtime.commit(hidden, list(accepted) + [bonus])
+        """Feeds the accepted path, or, after a step it was not asked to draft (depth 0: a hybrid's
+        lookup drafted it alone, `HybridDrafter.lookup_first`), keeps it for the feed before its next
+        tree; a tree grown ahead (`reset`'s) is below a root now passed."""
+        self.runtime.commit(hidden, list(accepted) + [bonus], defer=self._skipped)
         self._next = None
 
     @property
@@ -530,8 +532,11 @@ class Eagle3TreeDrafter(RuntimeView, TreeDrafter):
                                   target_lm=self.target_lm)
 
     def draft(self, root, depth):
-        last = self.runtime.last
         depth = min(depth, self.max_depth)
+        self._skipped = depth == 0
+        if depth:
+            self.runtime.flush()
+        last = self.runtime.last
         self._ranked = ([], [], [], [])  # nothing drafted, until a tree is
         if last is None or depth == 0:
             return root.reshape(1), self._root_only
