@@ -412,7 +412,9 @@ def plan_section(plan: dict | None) -> list[str]:
     chosen = plan["num_draft_tokens"]
     tree = "verify_sizes" in plan["costs"]
     setting = f"K = {chosen}" + (f", {plan['tree_nodes']} nodes" if tree and chosen else "") + \
-        (f", top-{plan['tree_topk']}" if plan.get("tree_topk") and chosen else "")
+        (f", top-{plan['tree_topk']}" if plan.get("tree_topk") and chosen else "") + \
+        (f", lookup {LOOKUP_MODE[plan['lookup_first']]}" if plan.get("lookup_first") is not None and chosen else "")
+    hybrid = any(c.get("lookup_first") is not None for c in plan["candidates"])  # both modes weighed
     lines = ["## Plan (auto)", "",
              setting + (" (no speculation: the target alone)" if chosen == 0 else "")
              + f", planned speedup {_fmt(plan['planned_speedup'], 2)}, measured {_fmt(plan.get('measured_speedup'), 2)}. "
@@ -420,13 +422,14 @@ def plan_section(plan: dict | None) -> list[str]:
                                                                           chain_costs_text(plan["costs"]))
              + " (model: `drafttrain.planning`).", ""]
     shown = plan["candidates"][:12] if tree else plan["candidates"]
-    header = ["K", "nodes", "top-k"] if tree else ["K"]
+    header = (["K", "nodes", "top-k"] if tree else ["K"]) + (["lookup"] if hybrid else [])
     lines += [f"| {' | '.join(header)} | expected tokens/step | planned speedup |",
               "|" + "---|" * (len(header) + 2)]
     for c in shown:
-        mark = " (chosen)" if (c["num_draft_tokens"], c.get("tree_nodes"), c.get("tree_topk")) == \
-            (chosen, plan.get("tree_nodes"), plan.get("tree_topk") or c.get("tree_topk")) else ""
+        mark = " (chosen)" if (c["num_draft_tokens"], c.get("tree_nodes"), c.get("tree_topk"), c.get("lookup_first")) == \
+            (chosen, plan.get("tree_nodes"), plan.get("tree_topk") or c.get("tree_topk"), plan.get("lookup_first")) else ""
         cells = [f"{c['num_draft_tokens']}{mark}"] + ([_fmt(c.get("tree_nodes")), _fmt(c.get("tree_topk"))] if tree else [])
+        cells += [LOOKUP_MODE.get(c.get("lookup_first"), "–")] if hybrid else []
         bound = "≤ " if c.get("measured") is False else ""
         lines.append(f"| {' | '.join(cells)} | {_fmt(c['expected_tokens'])} | {bound}{_fmt(c['planned_speedup'], 2)} |")
     if tree and len(plan["candidates"]) > len(shown):
@@ -439,6 +442,9 @@ def plan_section(plan: dict | None) -> list[str]:
         lines += ["", "**The cost measurement looked like a busy machine** (" + "; ".join(plan["noise"])
                   + "): the plan may be made from noise; measure alone."]
     return lines + [""]
+
+
+LOOKUP_MODE = {True: "first", False: "beside"}  # a hybrid's mode in the plan's table (`decoding.hybrid`)
 
 
 def measured_when(plan: dict) -> str:

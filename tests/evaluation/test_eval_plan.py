@@ -140,6 +140,8 @@ def test_a_planned_chain_hybrid_weighs_its_modes_and_decodes_the_one_chosen(setu
     assert [(w["num_draft_tokens"], w["lookup_first"]) for w in walked] == [(k, f) for k in range(1, PLAN_MAX_K + 1)
                                                                             for f in modes]
     assert all(w["tokens_per_step"] >= 1 and 0 <= w["model_share"] <= 1 for w in walked)
+    md = (tmp_path / "o" / "report.md").read_text()  # the plan's table says each setting's mode, and one is chosen
+    assert "| K | lookup | expected tokens/step | planned speedup |" in md and md.count("(chosen)") == 1
     assert [c["lookup_first"] for c in plan["candidates"]] == [None] + [f for _ in range(PLAN_MAX_K) for f in modes]
     chosen = max(plan["candidates"], key=lambda c: c["planned_speedup"])
     assert (plan["num_draft_tokens"], plan["lookup_first"]) == (chosen["num_draft_tokens"], chosen["lookup_first"])
