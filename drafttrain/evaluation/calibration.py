@@ -44,13 +44,13 @@ from pathlib import Path
 
 from ..decoding import DecodeSettings, StaticLM, static_support
 from ..decoding.batch import BatchGenerator
+from ..decoding.chain import ChainDecoder, Proposer
 from ..decoding.engines.teacher import teacher_forced
 from ..errors import UserError
 from ..export import RECORD
 from ..kinds.base import Drafter
 from ..kinds.factory import build_decoder
 from ..kinds.registry import BY_NAME, LOOKUPS
-from ..decoding.chain import ChainDecoder, Proposer
 from ..planning import (HybridStep, TreeStep, enough_prompts, lookup_first_table, tree_node_limit, tree_table,
                         walk_chain, walk_hybrid, walked_rates)
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
@@ -333,6 +333,17 @@ class PositionDrafts(Proposer):
         self.inner.keep(n_accepted, emitted, verdict, hidden)
 
 
+def position_drafts(decoder: ChainDecoder, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[list[int]]]:
+    """A chain decoder's output for `prompt` and its proposer's `PLAN_MAX_K` drafts at every position
+    of it (`PositionDrafts`), the decoder left as it was."""
+    proposer = decoder.proposer
+    decoder.proposer = recorder = PositionDrafts(proposer, PLAN_MAX_K)
+    try:
+        return decoder.generate(prompt, max_new_tokens).tokens, recorder.drafts
+    finally:
+        decoder.proposer = proposer
+
+
 def walked_hybrid(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
                   prompts: int) -> dict:
     """A chain hybrid's steps at every K = 1 .. PLAN_MAX_K and mode (`lookup_modes`), walked exactly
@@ -348,19 +359,13 @@ def walked_hybrid(cfg: EvalConfig, models: LoadedModels, calibration: Calibratio
     per_prompt = []
     for i, (p, decoder) in enumerate(calibration_decoders(cfg, models, calibration, measurer, settings, prompts)):
         measurer.doing(f"calibration: drafts at every position of prompt {i + 1} of at most {prompts}")
-        proposer = decoder.proposer
-        decoder.proposer = recorder = PositionDrafts(proposer, PLAN_MAX_K)
-        try:
-            continuation = decoder.generate(p.ids, cfg.max_new_tokens).tokens
-        finally:
-            decoder.proposer = proposer
+        continuation, drafts = position_drafts(decoder, p.ids, cfg.max_new_tokens)
         for k, first in walked:
             walked[(k, first)] += walk_hybrid(p.ids, continuation, looking_up(new_lookup(settings), p.ids),
-                                              recorder.drafts, k, cfg.max_new_tokens, first)
-        alone += walk_hybrid(p.ids, continuation, lambda sequence, n: [], recorder.drafts, PLAN_MAX_K,
-                             cfg.max_new_tokens, False)
-        deepest = walk_hybrid(p.ids, continuation, looking_up(new_lookup(settings), p.ids), recorder.drafts,
-                              PLAN_MAX_K, cfg.max_new_tokens, modes[-1])
+                                              drafts, k, cfg.max_new_tokens, first)
+        alone += walk_hybrid(p.ids, continuation, lambda sequence, n: [], drafts, PLAN_MAX_K, cfg.max_new_tokens, False)
+        deepest = walk_hybrid(p.ids, continuation, looking_up(new_lookup(settings), p.ids), drafts, PLAN_MAX_K,
+                              cfg.max_new_tokens, modes[-1])
         per_prompt.append((sum(s.tokens for s in deepest), len(deepest)))
         measurer.tick()
         if enough_prompts(per_prompt):
@@ -505,4 +510,5 @@ def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibrat
 
 __all__ = ["CALIBRATION_PROMPTS", "CONTINUATION_BATCH", "LOOKUP_CALIBRATION_PROMPTS", "Acceptance", "Calibration",
            "calibration_prompts", "check_calibration", "continuation_prompts", "drafter_acceptance", "read_calibration",
-           "recorded_acceptance", "replays", "tree_acceptance", "verified_layers", "walks", "walks_hybrid"]
+           "position_drafts", "recorded_acceptance", "replays", "tree_acceptance", "verified_layers", "walks",
+           "walks_hybrid"]

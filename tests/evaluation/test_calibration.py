@@ -162,12 +162,11 @@ def test_a_hybrid_walk_takes_the_steps_the_hybrid_decoder_takes(lookup_first):
         hybrid.drafter.draft = spying
         for prompt in prompts:
             alone = build_decoder(model, draft, DecodeSettings(num_draft_tokens=6))
-            alone.proposer = recorder = calibrating.PositionDrafts(alone.proposer, 6)
-            continuation = alone.generate(prompt, 40).tokens
+            continuation, drafts = calibrating.position_drafts(alone, prompt, 40)
             seen.clear()
             gen = hybrid.generate(prompt, 40)
-            assert gen.tokens == continuation and len(recorder.drafts) == len(continuation)
-            walked = walk_hybrid(prompt, continuation, lambda seq, n: ngram_lookup(seq, n, 3), recorder.drafts, k, 40,
+            assert gen.tokens == continuation and len(drafts) == len(continuation)
+            walked = walk_hybrid(prompt, continuation, lambda seq, n: ngram_lookup(seq, n, 3), drafts, k, 40,
                                  lookup_first)
             assert [s.tokens - 1 for s in walked] == gen.accepted_lengths
             assert [(s.nodes, s.model) for s in walked] == seen
