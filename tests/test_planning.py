@@ -398,8 +398,8 @@ def test_a_lookup_first_tree_hybrid_is_read_off_the_steps_that_verified_both():
     """A hybrid's recorded steps (the model's tree and the lookup's chain verified together) read as a
     lookup-first hybrid: where the lookup proposed, its own acceptance cut to the depth (even where the
     model's branch went further); elsewhere the model's tree. Each priced by hand: the lookup's chain
-    and a plain step's loop, or the tree's measured step less the lookup's nodes beside it. On a curve
-    where nodes cost, lookup first wins; on a flat one, both verified (which accepts more)."""
+    and a plain step's loop, or the tree's step as measured beside the lookup. On a curve where nodes
+    cost, lookup first wins; on a flat one, both verified (which accepts more)."""
     copy = TreeStep(tokens=(5, 6), parents=(-1, 0), depths=(1, 2), continuation=(5, 6, 9, 1), lookup=(5, 6, 9))
     model_wins = TreeStep(tokens=(7, 8), parents=(-1, 0), depths=(1, 2), continuation=(7, 8, 3), lookup=(7, 2, 2))
     fresh = TreeStep(tokens=(4, 3), parents=(-1, 0), depths=(1, 2), continuation=(4, 1))
@@ -413,7 +413,7 @@ def test_a_lookup_first_tree_hybrid_is_read_off_the_steps_that_verified_both():
     for curve, winner in (((1.0, 1.2, 1.4, 1.6, 1.8), True), ((1.0, 1.0, 1.0, 1.0, 1.0), False)):
         costs = TreeCosts((1, 2, 3, 4, 5), curve, 1.1, exact={(2, 2, 3): curve[4] + 0.3})
         lookup = curve[2] + 0.1  # 1 + 2 nodes, and the loop beyond a plain step's forward
-        model = curve[4] + 0.3 - (costs.verify_seconds(3 + table[(2, 2, 3)][1]) - curve[2])
+        model = curve[4] + 0.3  # the tree's step as measured beside the lookup
         assert lookup_first_seconds(table, first, costs, (2, 2, 3)) == (pytest.approx(share * lookup + (1 - share) * model), True)
         plan = plan_tree(table, costs, first=first, modes=(False, True))
         both, alone = (c for c in plan.candidates if c.num_draft_tokens == 2)
