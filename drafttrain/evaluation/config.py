@@ -155,7 +155,7 @@ class EvalConfig:
     tree_topk: int = setting(DYNAMIC_TREE_TOPK, "EAGLE-3 dynamic tree: nodes expanded per depth, and children drafted per node.",
                              metavar="N", at_least=1)
     lookup_first: str = setting(
-        "auto", "With a lookup joined (--ngram, +ngram): on verifies the lookup's continuation alone wherever it finds "
+        "auto", "With a lookup joined to a model drafter: on verifies the lookup's continuation alone wherever it finds "
         "one, and the drafter drafts only where it finds nothing; off verifies both each step, as one tree (on a GPU "
         "extra nodes cost almost nothing; on a CPU each costs a share of a step); auto: off, or with "
         "--num-draft-tokens auto, whichever this machine's measured costs favour.", choices=("auto", "on", "off"))
