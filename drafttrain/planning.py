@@ -157,6 +157,14 @@ def plan_chain(acceptance: list[float], costs: Costs, proposal_rates: list[float
     return best_plan(candidates)
 
 
+def agreed(draft: list[int], continuation: list[int]) -> int:
+    """How many of `draft` greedy verification accepts: its longest prefix equal to `continuation`."""
+    n = 0
+    while n < len(draft) and n < len(continuation) and draft[n] == continuation[n]:
+        n += 1
+    return n
+
+
 def walk_chain(prompt: list[int], continuation: list[int], propose, k: int,
                max_new_tokens: int) -> list[tuple[int, int]]:
     """(proposed, accepted) of every step a greedy chain decoder with K = k takes to emit
@@ -168,10 +176,7 @@ def walk_chain(prompt: list[int], continuation: list[int], propose, k: int,
     steps, n = [], 0
     while n < len(continuation):
         draft = propose(prompt + continuation[:n], min(k, max_new_tokens - n - 1))
-        accepted = 0
-        while accepted < len(draft) and n + accepted < len(continuation) and \
-                draft[accepted] == continuation[n + accepted]:
-            accepted += 1
+        accepted = agreed(draft, continuation[n:])
         steps.append((len(draft), accepted))
         n += accepted + 1
     return steps
@@ -195,14 +200,6 @@ class HybridStep:
     tokens: int
 
 
-def agreed(draft: list[int], continuation: list[int]) -> int:
-    """How many of `draft` greedy verification accepts: its longest prefix equal to `continuation`."""
-    n = 0
-    while n < len(draft) and n < len(continuation) and draft[n] == continuation[n]:
-        n += 1
-    return n
-
-
 def walk_hybrid(prompt: list[int], continuation: list[int], lookup, drafts: list[list[int]], k: int,
                 max_new_tokens: int, lookup_first: bool) -> list[HybridStep]:
     """The steps a greedy chain hybrid with K = k takes to emit `continuation`, the target's greedy
@@ -211,9 +208,8 @@ def walk_hybrid(prompt: list[int], continuation: list[int], lookup, drafts: list
     the position: what a model keeps is made of the emitted text and the target's states along it,
     `decoding.hybrid`), at least k of them. Both (`lookup_first` False): the lookup's chain hangs from
     the root beside the model's (its nodes all verified, those it shares as twins: `hang_lookup`) and
-    the longer acceptance wins; lookup first: the
-    lookup's chain alone where it finds one, else the model's. As the decoder does, a step drafts no
-    more than can still be emitted."""
+    the longer acceptance wins; lookup first: the lookup's chain alone where it finds one, else the
+    model's. As the decoder does, a step drafts no more than can still be emitted."""
     steps, n = [], 0
     while n < len(continuation):
         depth = min(k, max_new_tokens - n - 1)
@@ -231,9 +227,9 @@ def walk_hybrid(prompt: list[int], continuation: list[int], lookup, drafts: list
 
 def hybrid_step_seconds(costs: Costs, lookup: list[float], k: int, step: HybridStep) -> float:
     """A walked hybrid step's cost: the target's verification of its nodes and the pending token, the
-    model's draft where it drafted, the lookup (tried every step) and the loop's overhead."""
-    return (costs.verify[step.nodes] + (costs.draft[k] if step.model else 0.0) + lookup[k]
-            + costs.overhead)
+    loop's overhead, and the drafting: where the model drafted, the hybrid's measured share of a step
+    (`costs.draft[k]`: the model's and the lookup's), else the lookup's alone (`lookup[k]`)."""
+    return costs.verify[step.nodes] + (costs.draft[k] if step.model else lookup[k]) + costs.overhead
 
 
 def plan_hybrid_chain(walked: dict[tuple[int, bool], list[HybridStep]], costs: Costs, lookup: list[float]) -> Plan:
@@ -274,10 +270,7 @@ class TreeStep:
 
 def lookup_accepted(step: TreeStep, depth: int) -> int:
     """Drafts of the step's lookup chain, cut to `depth`, that the target accepts."""
-    n = 0
-    while n < min(depth, len(step.lookup), len(step.continuation)) and step.lookup[n] == step.continuation[n]:
-        n += 1
-    return n
+    return agreed(step.lookup[:depth], step.continuation)
 
 
 def accepted_within(step: TreeStep, depth: int, nodes: int) -> int:
@@ -626,8 +619,9 @@ def noisy(seconds_by_size: list[list[float]], spread: float = 0.5) -> list[str]:
 
 
 __all__ = ["CALIBRATION_TOLERANCE", "MEASURED_TREES", "MIN_CALIBRATION_PROMPTS", "NODE_BUDGETS", "Candidate", "Costs",
-           "FirstTable", "HybridStep", "Plan", "agreed", "hybrid_step_seconds", "lookup_accepted",
-           "lookup_first_seconds", "lookup_first_table", "plan_hybrid_chain", "walk_hybrid", "TreeCosts", "TreeStep", "TreeTable", "accepted_within", "best_plan", "beyond_verification",
-           "enough_prompts", "expected_tokens", "fallback_plan", "implausible", "interpolate", "noisy", "plan_chain",
-           "plan_tree", "plan_tree_measured", "step_seconds", "tokens_per_step", "tree_expected_tokens",
-           "tree_node_limit", "tree_seconds", "tree_table", "walk_chain", "walked_rates"]
+           "FirstTable", "HybridStep", "Plan", "TreeCosts", "TreeStep", "TreeTable", "accepted_within", "agreed",
+           "best_plan", "beyond_verification", "enough_prompts", "expected_tokens", "fallback_plan",
+           "hybrid_step_seconds", "implausible", "interpolate", "lookup_accepted", "lookup_first_seconds",
+           "lookup_first_table", "noisy", "plan_chain", "plan_hybrid_chain", "plan_tree", "plan_tree_measured",
+           "step_seconds", "tokens_per_step", "tree_expected_tokens", "tree_node_limit", "tree_seconds", "tree_table",
+           "walk_chain", "walk_hybrid", "walked_rates"]

@@ -123,9 +123,10 @@ def hybrid_walks(lookup_tokens: int, both_tokens: int, model_tokens: int, k: int
 
 
 def test_a_chain_hybrid_verifies_the_lookup_alone_where_nodes_cost_and_both_where_they_are_free():
-    """Each walked step priced by its own nodes (and the model's draft only where it drafted), summed
-    against the tokens: on a CPU-like curve (a node a fifth of a step) the lookup's chain alone wins,
-    on a GPU-like flat one verifying both, which emits more; the speedups as computed by hand."""
+    """Each walked step priced by its own nodes (and the hybrid's drafting share where the model
+    drafted, the lookup's alone where it did not), summed against the tokens: on a CPU-like curve (a
+    node a fifth of a step) the lookup's chain alone wins, on a GPU-like flat one verifying both, which
+    emits more; the speedups as computed by hand."""
     walks = hybrid_walks(lookup_tokens=4, both_tokens=4.5, model_tokens=2)
     lookup = [0.0, 1e-4, 1e-4, 1e-4]
     cpu = Costs(tuple(0.040 + 0.008 * n for n in range(7)), (0.0, 0.006, 0.007, 0.008), 0.001)
@@ -133,8 +134,9 @@ def test_a_chain_hybrid_verifies_the_lookup_alone_where_nodes_cost_and_both_wher
     for costs, first in ((cpu, True), (gpu, False)):
         plain = costs.verify[0] + costs.overhead
         v, d, o, lk = costs.verify, costs.draft[3], costs.overhead, lookup[3]
-        truth = {True: (5 * 4 + 5 * 2) * plain / (5 * (v[3] + lk + o) + 5 * (v[3] + d + lk + o)),
-                 False: (5 * 4.5 + 5 * 2) * plain / (5 * (v[6] + d + lk + o) + 5 * (v[3] + d + lk + o))}
+        # a model step pays the hybrid's measured drafting share (its model's and its lookup's), a lookup step the lookup's
+        truth = {True: (5 * 4 + 5 * 2) * plain / (5 * (v[3] + lk + o) + 5 * (v[3] + d + o)),
+                 False: (5 * 4.5 + 5 * 2) * plain / (5 * (v[6] + d + o) + 5 * (v[3] + d + o))}
         plan = plan_hybrid_chain(walks, costs, lookup)
         assert (plan.num_draft_tokens, plan.lookup_first) == (3, first)
         assert plan.planned_speedup == pytest.approx(truth[first]) and truth[first] > truth[not first]

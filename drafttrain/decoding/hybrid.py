@@ -22,7 +22,7 @@ Lookup first (`lookup_first`): where the lookup finds a continuation, the step v
 the model does not draft; the model drafts only where the lookup finds nothing. Beside the lookup,
 every model node costs a verified token, and on a CPU each costs about a fifth of a plain step
 (Gemma-3 on 2 cores), where a GPU verifies them almost free; the plan weighs both from the measured
-costs (`planning.plan_lookup_first`). A model that skips a step loses nothing: what it keeps is fed
+costs (`planning.plan_hybrid_chain`, `planning.lookup_first_seconds`). A model that skips a step loses nothing: what it keeps is fed
 from the accepted path at every commit, whoever drafted it.
 """
 

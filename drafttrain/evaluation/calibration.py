@@ -49,7 +49,7 @@ from ..decoding.engines.teacher import teacher_forced
 from ..errors import UserError
 from ..export import RECORD
 from ..kinds.base import Drafter
-from ..kinds.factory import build_decoder
+from ..kinds.factory import build_decoder, tree_choice
 from ..kinds.registry import BY_NAME, LOOKUPS
 from ..planning import (HybridStep, TreeStep, enough_prompts, lookup_first_table, tree_node_limit, tree_table,
                         walk_chain, walk_hybrid, walked_rates)
@@ -288,12 +288,11 @@ def chain_hybrid(cfg: EvalConfig) -> bool:
 
 
 def walks_hybrid(cfg: EvalConfig, models: LoadedModels) -> bool:
-    """A greedy chain hybrid (a chain model drafter and a lookup): walked over the target's
-    continuations from its model's drafts at every position (`walked_hybrid`)."""
-    if not (cfg.hybrid and cfg.greedy):
-        return False
-    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes).alone()
-    return isinstance(build_decoder(models.target_lm or models.target, models.drafter, settings), ChainDecoder)
+    """A greedy chain hybrid (its model drafts a chain: the kind's `tree` is None, as for a plan's
+    chain path): walked over the target's continuations from its model's drafts at every position
+    (`walked_hybrid`)."""
+    settings = cfg.decode_settings(k=PLAN_MAX_K, nodes=cfg.max_tree_nodes)
+    return bool(cfg.hybrid) and cfg.greedy and tree_choice(models.drafter, settings) is None
 
 
 def lookup_modes(cfg: EvalConfig) -> tuple[bool, ...]:

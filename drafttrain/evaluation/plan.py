@@ -69,7 +69,7 @@ from .costs import forward_curve
 from .loading import LoadedModels
 from .plan_cache import (Measurer, PlanCache, Store, acceptance_key, content_hash, costs_key, drafter_identity, now,
                          plans_home)
-from .report import weights_fingerprint
+from .report import LOOKUP_MODE, weights_fingerprint
 
 TOPK_CHOICES = (1, 2, 4, 8)  # EAGLE-2 top-k weighed by --tree-nodes auto, up to --tree-topk
 STEP_PROBE_TOKENS = PLAN_PROBE_TOKENS  # tokens decoded on the probe prompt to time a tree's steps
@@ -162,8 +162,9 @@ def drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], accep
 
 
 def hybrid_lookup_seconds(cfg: EvalConfig, probes: list[list[int]], max_k: int) -> list[float]:
-    """A chain hybrid's lookup share of a step looking up k = 0 .. max_k, the mean over the probes
-    (host time of milliseconds: measured each plan, not kept)."""
+    """A chain hybrid's lookup share of a step looking up k = 0 .. max_k, the mean over the probes: a
+    lookup-first step's drafting, where its model's steps pay the hybrid's measured share (host time
+    of milliseconds: measured each plan, not kept)."""
     at = [lookup_seconds(cfg, cfg.hybrid, ids, max_k) for ids in probes]
     return [fmean(s[k] for s in at) for k in range(max_k + 1)]
 
@@ -178,12 +179,6 @@ def walked_summary(walks: dict) -> list[dict]:
                     "tokens_per_step": sum(s.tokens for s in steps) / n, "model_share": sum(s.model for s in steps) / n,
                     "nodes_per_step": sum(s.nodes for s in steps) / n})
     return out
-
-
-def model_only(costs: Costs, lookup: list[float]) -> Costs:
-    """A hybrid's chain costs with the lookup's share taken out of its drafting: a lookup-first step
-    pays the lookup and not the model (`planning.hybrid_step_seconds`)."""
-    return dataclasses.replace(costs, draft=tuple(max(0.0, d - l) for d, l in zip(costs.draft, lookup)))
 
 
 def model_drafter_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], acceptance: Acceptance,
@@ -366,7 +361,7 @@ def plan_drafter(plan: DrafterPlanning, probes: list[list[int]]) -> tuple[Plan, 
     if doubts:
         chosen = fallback_plan()
     elif lookup is not None:
-        chosen = plan_hybrid_chain(acceptance.hybrid_walks, model_only(costs, lookup), lookup)
+        chosen = plan_hybrid_chain(acceptance.hybrid_walks, costs, lookup)
     else:
         chosen = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens,
                             acceptance.by_k)
@@ -632,7 +627,7 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: l
             plan, block = plan_drafter(planning, probes)
             bar.total = bar.n
             planning.measurer.doing(f"K = {plan.num_draft_tokens}" + (f", {plan.tree_nodes} nodes" if tree else "")
-                                    + {True: ", lookup first", False: ", lookup beside", None: ""}[plan.lookup_first]
+                                    + (f", lookup {LOOKUP_MODE[plan.lookup_first]}" if plan.lookup_first is not None else "")
                                     + (" (from the plan cache)" if planning.measurer.cached else ""))
         warn_noise(cfg, block["noise"], planning.measurer.cached)  # below its progress line, not inside it
         warn_untrusted(cfg, block["untrusted"])

@@ -347,6 +347,7 @@ class FeatureChainProposer(RuntimeView, Proposer):
 
     def __init__(self, runtime: FeatureDraftRuntime, rule: Greedy | Sampled | None = None, max_k: int = 1):
         self.runtime, self.rule, self.max_k = runtime, rule or Greedy(), max_k
+        self._proposed = False  # whether it drafted since its last commit (`commit` feeds at once, else defers)
         self.hidden_layers = runtime.hidden_layers
         self.device = runtime.device
         self.empty = torch.empty(0, dtype=torch.long, device=self.device)
@@ -358,8 +359,6 @@ class FeatureChainProposer(RuntimeView, Proposer):
     def draft(self, k: int, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k drafts after `sequence` (and their q when sampling) from the committed features."""
         raise NotImplementedError
-
-    _proposed = False  # whether it drafted since its last commit (`commit` feeds at once, else defers)
 
     def keep(self, n_accepted, emitted, verdict, hidden):
         width = self.runtime.feed_width

@@ -406,18 +406,16 @@ def test_rounds_agree_within_the_tolerance_of_every_cost():
     assert series == [[0.011, 0.0109], [pytest.approx(0.012), pytest.approx(0.0129)]]
 
 
-def test_a_planned_tree_hybrid_weighs_lookup_first_and_decodes_the_mode_chosen(setup, tmp_path):
+def test_a_planned_tree_hybrid_weighs_every_tree_in_both_modes(setup, tmp_path):
     """A tree hybrid (Medusa heads + n-gram) under --tree-nodes auto: every tree weighed beside the
-    lookup and lookup first, read off one recording; the mode chosen is the one decoded, losslessly."""
+    lookup and lookup first, read off one recording, and the run lossless. (These untrained heads plan
+    the target alone; the chosen mode reaching the decoder is checked on the chain hybrid above, a
+    lookup-first tree's decoding in tests/decoding/test_hybrid.py.)"""
     assert main(argv(setup, tmp_path / "o", "--ngram", "--tree-nodes", "auto", "--calibration-prompts",
                      setup["calibration"], drafter=("--heads", setup["heads"]))) == 0
     report = json.loads((tmp_path / "o" / "report.json").read_text())
-    plan = report["plan"]
-    modes = {c["lookup_first"] for c in plan["candidates"] if c["num_draft_tokens"]}
-    assert modes == {False, True}
-    if plan["num_draft_tokens"]:
-        assert any(c["planned_speedup"] == pytest.approx(plan["planned_speedup"]) and c["lookup_first"] == plan["lookup_first"]
-                   and c["tree_nodes"] == plan["tree_nodes"] for c in plan["candidates"])
-        assert report["config"]["lookup_first"] == ("on" if plan["lookup_first"] else "off")
-        assert report["overall"]["tree"].startswith("n-gram chain" if plan["lookup_first"] else "default")
+    trees = [c for c in report["plan"]["candidates"] if c["num_draft_tokens"]]
+    both = {(c["num_draft_tokens"], c["tree_nodes"], c["tree_topk"]) for c in trees if c["lookup_first"] is False}
+    first = {(c["num_draft_tokens"], c["tree_nodes"], c["tree_topk"]) for c in trees if c["lookup_first"] is True}
+    assert both and both == first and len(trees) == 2 * len(both)
     assert report["overall"]["outputs_match_baseline"] == 1.0
