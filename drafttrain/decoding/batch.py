@@ -74,10 +74,12 @@ class BatchGenerator:
     def compile_seconds(self) -> float:
         return self.lm.compile_seconds
 
-    def _decode_step(self, tokens, positions, key_valid):
-        logits, _ = self.lm.run(tokens[:, None], positions[:, None], self.lm.causal(1), key_valid=key_valid,
-                                compiled=True)
-        return logits[:, -1]
+    def _decode_step(self, tokens, positions, key_valid, hidden_layers: tuple[int, ...] = ()):
+        """The [B, 1] step: (logits [B, V], hidden [B, D] or None). One with hidden layers runs
+        uncompiled (the compiled graph is the plain step's)."""
+        logits, hidden = self.lm.run(tokens[:, None], positions[:, None], self.lm.causal(1), key_valid=key_valid,
+                                     hidden_layers=hidden_layers, compiled=not hidden_layers)
+        return logits[:, -1], (hidden[:, -1] if hidden is not None else None)
 
     @torch.no_grad()
     def warmup(self) -> float:
@@ -92,7 +94,32 @@ class BatchGenerator:
         self._warm = True
         return seconds
 
-    @torch.no_grad()
+    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor,
+                 hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Every row's prompt alone, right-aligned in its cache row (its padding slots are never
+        written, and never read: `key_valid`): the logits at each row's last token [B, V] (zeros
+        for the batch's empty rows), and its `hidden_layers` along its prompt ([n, D], or None). A
+        prefill of the whole batch ran every row as wide as the longest, padding included: 24
+        calibration prompts of 42 to 282 tokens filled 6768 slots for 2557 tokens, 10.2 s of their
+        28.9 s continuations on 2 cores (5.0 s a row at a time)."""
+        width = tokens.shape[1]
+        last, hidden = [], []
+        self.lm.reset()
+        for b, n in enumerate(valid.sum(-1).tolist()):
+            if n == 0:
+                last.append(None)
+                hidden.append(None)
+                continue
+            self.lm.length = width - n
+            logits, h = self.lm.run(tokens[b:b + 1, width - n:], positions[b:b + 1, width - n:], self.lm.causal(n),
+                                    key_valid=key_valid[b:b + 1], last_only=True, rows=slice(b, b + 1),
+                                    hidden_layers=hidden_layers)
+            last.append(logits[0, -1])
+            hidden.append(h[0] if h is not None else None)
+        self.lm.length = width
+        real = next(row for row in last if row is not None)
+        return torch.stack([row if row is not None else torch.zeros_like(real) for row in last]), hidden
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                  eos_token_ids, temperature: float = 0.0, top_p: float = 1.0,
                  seeds: torch.Tensor | None = None, topk: int = 0):
@@ -100,6 +127,25 @@ class BatchGenerator:
         each cut after its first EOS; top-k log-probs [b, steps, k] and their ids, float32/long on
         the CPU, or None): the target's raw (temperature 1) log-softmax at each generated position.
         Sampling (temperature > 0) needs `seeds` [b], one per row (`sample_rows`)."""
+        cut, values, ids, _ = self._generate(input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                             eos_token_ids=eos_token_ids, temperature=temperature, top_p=top_p,
+                                             seeds=seeds, topk=topk)
+        return cut, values, ids
+
+    def greedy_with_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                           eos_token_ids, hidden_layers: tuple[int, ...]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Greedy `generate` and each row's `hidden_layers` (transformers' `hidden_states` indexing,
+        concatenated) along its prompt and continuation, [prompt + continuation, D]: what one
+        teacher-forced forward over them gives (`engines.teacher`), to rounding, without it. The
+        continuation's last token is fed one step more for its own."""
+        cut, _, _, hidden = self._generate(input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                           eos_token_ids=eos_token_ids, hidden_layers=tuple(hidden_layers))
+        return cut, hidden
+
+    @torch.no_grad()
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                  eos_token_ids, temperature: float = 0.0, top_p: float = 1.0, seeds: torch.Tensor | None = None,
+                  topk: int = 0, hidden_layers: tuple[int, ...] = ()):
         b, width = input_ids.shape
         B = self.batch_size
         if b > B:
@@ -123,15 +169,11 @@ class BatchGenerator:
             seeds = torch.cat([seeds.to(self.device, torch.long),
                                torch.zeros(B - b, dtype=torch.long, device=self.device)])
 
-        self.lm.reset()
-        logits, _ = self.lm.run(tokens, positions, self.lm.causal(width), key_valid=key_valid,
-                                last_only=True)  # prefill: left-padded, every row's last token is its own
-        self.lm.length = width
-        last = logits[:, -1]
+        last, prompt_hidden = self._prefill(tokens, positions, valid, key_valid, hidden_layers)
         position = positions[:, -1] + 1
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         finished[b:] = True
-        generated, top_values, top_ids = [], [], []
+        generated, top_values, top_ids, fed = [], [], [], []
         for step in range(max_new_tokens):
             if temperature == 0:
                 token = last.argmax(dim=-1)
@@ -144,16 +186,23 @@ class BatchGenerator:
                 top_ids.append(ids)
             generated.append(token)
             finished |= torch.isin(token, eos)
-            if step + 1 == max_new_tokens or bool(finished.all()):  # the step's one host sync
+            if (step + 1 == max_new_tokens or bool(finished.all())) and not hidden_layers:  # the step's one host sync
                 break
-            last = self._decode_step(token, position, key_valid)
+            last, hidden = self._decode_step(token, position, key_valid, hidden_layers)
             self.lm.length += 1
             position = position + 1
+            if hidden_layers:
+                fed.append(hidden)
+                if step + 1 == max_new_tokens or bool(finished.all()):  # the last token fed for its hidden states
+                    break
         rows = torch.stack(generated, dim=1)[:b].tolist()
         cut = [cut_at_eos(r, eos_token_ids) for r in rows]
+        hidden = None
+        if hidden_layers:
+            along = torch.stack(fed, dim=1)  # [B, steps, D]: the hidden states of each generated token
+            hidden = [torch.cat([prompt_hidden[r], along[r, :len(c)]]) for r, c in enumerate(cut)]
         if not topk:
-            return cut, None, None
+            return cut, None, None, hidden
         values = torch.stack(top_values, dim=1)[:b].float().cpu()
         ids = torch.stack(top_ids, dim=1)[:b].cpu()
-        return cut, values, ids
-
+        return cut, values, ids, hidden

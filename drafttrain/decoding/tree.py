@@ -83,6 +83,16 @@ class TreeDrafter:
         (`planning.TreeStep`). None: this drafter does not rank its candidates."""
         return None
 
+    def grow_beside(self, topks: tuple[int, ...]) -> bool:
+        """Also grow the trees of these top-ks below every step's root, the one verified unchanged,
+        for a planner's recording (`candidates_beside`); False where this drafter cannot (its trees
+        are not EAGLE-2's, or not grown on the eager engine). Here: the wrapped drafter's answer."""
+        return isinstance(self.wraps, TreeDrafter) and self.wraps.grow_beside(topks)
+
+    def candidates_beside(self) -> dict[int, tuple[list[int], list[int], list[int]]]:
+        """The last draft's trees grown beside it (`grow_beside`), by top-k, as `candidates` lists them."""
+        return self.wraps.candidates_beside() if isinstance(self.wraps, TreeDrafter) else {}
+
 
 class TreeDecoder(Decoder):
     name = "tree"
@@ -93,15 +103,26 @@ class TreeDecoder(Decoder):
         self.drafter = drafter
         self.verdict = GreedyVerdict(tree=True, margins=record_margins)  # computed in the verification graph
         self.recorded: list[TreeStep] | None = None  # a list: every step's candidates are recorded there
+        self.recorded_beside: dict[int, list[TreeStep]] = {}  # the trees grown beside (`TreeDrafter.grow_beside`)
 
-    def record(self, accepted: list[int], bonus: int) -> None:
+    def record(self, accepted: list[int], bonus: int, past: int) -> None:
         """Keep this step's candidates and the target's verdict on them (planning only: reading the
-        candidates costs a host sync)."""
+        candidates costs a host sync), and those of the trees grown beside, with the target's own
+        continuation as deep as they go (`CachedLM.known_continuation`: the verdict covers the
+        verified tree's path only)."""
         ranked = self.drafter.candidates()
-        if ranked is not None:
-            tokens, parents, depths = ranked
-            self.recorded.append(TreeStep(tuple(tokens), tuple(parents), tuple(depths), (*accepted, bonus),
-                                          tuple(getattr(self.drafter, "last_lookup", ()))))
+        if ranked is None:
+            return
+        lookup = tuple(getattr(self.drafter, "last_lookup", ()))
+        self.recorded.append(TreeStep(*(tuple(r) for r in ranked), (*accepted, bonus), lookup))
+        beside = self.drafter.candidates_beside()
+        known = self.target.known_continuation(past, self.drafter.max_depth + 1) if beside else None
+        if beside and known is None:
+            raise ValueError("trees grown beside the verified one are recorded against a known continuation "
+                             "(a teacher-forced target) only")
+        for topk, listed in beside.items():
+            self.recorded_beside.setdefault(topk, []).append(TreeStep(*(tuple(r) for r in listed), tuple(known),
+                                                                      lookup))
 
     @property
     def num_draft_tokens(self) -> int:
@@ -158,7 +179,7 @@ class TreeDecoder(Decoder):
             path, argmax_rows = path.long(), argmax_rows.long()
         accepted = [int(argmax[p]) for p in nodes[:-1]]
         if self.recorded is not None:
-            self.record(accepted, int(argmax[best]))
+            self.record(accepted, int(argmax[best]), past)
         self.drafter.keep(self.target, Verified(past, nodes, accepted, int(argmax[best]), path, argmax_rows, hidden))
         self.pending = argmax_rows[best:best + 1]  # stays on the device
         margins = [values[1 + width + rows + p] for p in nodes] if self.record_margins else None

@@ -12,7 +12,8 @@ What a plan reads of the calibration prompts, and why it is no more than the dec
   at a time by n-gram lookup at K = 3 they cost the Gemma-3 demo 58 s, 2.4 s a prompt on 2 cores,
   each step reading the weights for one row; a batch's step reads them once for all its rows: 48 s
   there in one batch, 28 s once its prefill ran the 262k-token head over each row's last token
-  only, not over every prompt token (its head over 24 rows is compute on 2 cores; a GPU gains more). A
+  only, not over every prompt token (its head over 24 rows is compute on 2 cores; a GPU gains more),
+  24 s once each row's prompt was prefilled alone rather than padded to the longest. A
   drafter may stop before it reads them all (`enough_prompts`); the batch decodes them all anyway,
   a row more in it costing a fraction of a prompt decoded alone later. Greedy rows equal each
   prompt decoded alone in float64; in float32 (or lower) a row may take the other token at a near
@@ -21,13 +22,17 @@ What a plan reads of the calibration prompts, and why it is no more than the dec
   engine cannot run (`static_support`) is decoded a prompt at a time, as before: by the first
   lookup (n-gram) at K = `CONTINUATION_K` (lossless, quicker than the target alone).
 - A model drafter decoding greedily on the eager engine is decoded against its target's
-  continuations rather than the target (`decoding.engines.teacher`: one teacher-forced forward a
-  prompt gives the target's hidden states; every verdict is read off the continuation): the very
+  continuations rather than the target (`decoding.engines.teacher`: the target's hidden states
+  along each prompt and continuation, kept by the batch that decoded it for the first drafter
+  reading them (`BatchGenerator.greedy_with_hidden`), else one teacher-forced forward a prompt;
+  every verdict is read off the continuation): the very
   steps a decode against the target takes, at the cost of the drafter's own work. EAGLE-3's tree
   recordings verified the largest tree (64 nodes) through Gemma-3 at every step of 8 prompts for
   each of 4 top-ks, most of its plan's 607 s. A sampled decode, and a decode on the static engine
   (a GPU's, where verification is cheap and the replay is not worth its own forwards), decode
-  against the target as before.
+  against the target as before. Replayed, EAGLE-3's tree recordings grow the narrower top-ks'
+  trees beside the widest one's in the same draft forwards (`recorded_trees`): one decode a prompt
+  for all of them, not one per top-k.
 - Prompts are read one at a time until the drafter's tokens a step is known to within 7.5% at 95%
   confidence (`planning.enough_prompts`: half of the 15% a plan is to come within of its
   measurement), at least 3, at most `CALIBRATION_PROMPTS` (`LOOKUP_CALIBRATION_PROMPTS` for a
@@ -42,10 +47,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from ..decoding import DecodeSettings, StaticLM, static_support
 from ..decoding.batch import BatchGenerator
 from ..decoding.chain import ChainDecoder, Proposer
-from ..decoding.engines.teacher import teacher_forced
+from ..decoding.engines.teacher import TeacherForcedLM, teacher_forced
 from ..errors import UserError
 from ..export import RECORD
 from ..kinds.base import Drafter
@@ -143,22 +150,29 @@ class Calibration:
         self.cfg, self.models, self.prompts, self.store = cfg, models, prompts, store
         self.needed = needed
         self._teachers: dict[tuple[int, tuple[int, ...]], object] = {}
+        self._hidden: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # the batch's hidden states, by prompt
         self._decoder = None
 
-    def continuation(self, i: int, measurer: Measurer) -> list[int]:
+    def continuation(self, i: int, measurer: Measurer, layers: tuple[int, ...] = ()) -> list[int]:
         """The target's greedy continuation of calibration prompt `i`; where it is not decoded yet,
-        those of every prompt up to the `needed`-th (or the `i`-th) not decoded yet, in one batch;
-        a target the static engine cannot run decodes only up to the `i`-th, a prompt at a time
-        (a drafter may stop before it reads them all: `enough_prompts`). Read inside a drafter's
-        calibration only: the plan rests on that calibration, measured when it was."""
+        those of every prompt up to the `needed`-th (or the `i`-th) not decoded yet, in one batch
+        (which keeps the target's hidden `layers` along them for `teacher`); a target the static
+        engine cannot run decodes only up to the `i`-th, a prompt at a time (a drafter may stop
+        before it reads them all: `enough_prompts`). Read inside a drafter's calibration only: the
+        plan rests on that calibration, measured when it was."""
         found = self.store.get("continuations")
         done = found[0] if found is not None else []
         if i >= len(done):
             batched = self._batchable()
             end = max(i + 1, min(self.needed, len(self.prompts))) if batched else i + 1
             missing = [p.ids for p in self.prompts[len(done):end]]
-            done = [*done, *(self._decode_batched(missing, measurer) if batched else
-                             [self._decode_alone(ids, measurer) for ids in missing])]
+            if batched:
+                decoded, hidden = self._decode_batched(missing, measurer, layers)
+                self._hidden.update({(len(done) + j, layers): h for j, h in enumerate(hidden or [])
+                                     if len(done) + j < CALIBRATION_PROMPTS})  # all a model drafter reads
+            else:
+                decoded = [self._decode_alone(ids, measurer) for ids in missing]
+            done = [*done, *decoded]
             self.store.put("continuations", done)
         return done[i]
 
@@ -169,20 +183,28 @@ class Calibration:
         """Whether the static engine runs this target (`BatchGenerator` is built on it)."""
         return static_support(self.models.target, self._max_length()) is None
 
-    def _decode_batched(self, prompts: list[list[int]], measurer: Measurer) -> list[list[int]]:
-        """The target's greedy continuations of `prompts`, `CONTINUATION_BATCH` rows at a time."""
+    def _decode_batched(self, prompts: list[list[int]], measurer: Measurer,
+                        layers: tuple[int, ...]) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+        """The target's greedy continuations of `prompts`, `CONTINUATION_BATCH` rows at a time, and
+        with `layers` its hidden states along each prompt and continuation (None without)."""
         batches = "in one batch" if len(prompts) <= CONTINUATION_BATCH else f"in batches of {CONTINUATION_BATCH}"
         measurer.doing(f"the target's greedy continuations of {len(prompts)} calibration prompts, {batches}")
         max_length = max(len(p) for p in prompts) + self.cfg.max_new_tokens
         generator = continuation_generator(self.models.target, min(len(prompts), CONTINUATION_BATCH), max_length)
-        done = []
+        done, hidden = [], []
+        eos = sorted(self.models.eos)
         for start in range(0, len(prompts), CONTINUATION_BATCH):
             chunk = prompts[start:start + CONTINUATION_BATCH]
             ids, mask = left_pad(chunk, 0, generator.device)  # padding is masked out: any id does
-            done += generator.generate(ids, mask, max_new_tokens=self.cfg.max_new_tokens,
-                                       eos_token_ids=sorted(self.models.eos))[0]
+            if layers:
+                rows, states = generator.greedy_with_hidden(ids, mask, max_new_tokens=self.cfg.max_new_tokens,
+                                                            eos_token_ids=eos, hidden_layers=layers)
+                hidden += states
+            else:
+                rows = generator.generate(ids, mask, max_new_tokens=self.cfg.max_new_tokens, eos_token_ids=eos)[0]
+            done += rows
             measurer.tick(len(chunk))
-        return done
+        return done, (hidden if layers else None)
 
     def _decode_alone(self, prompt: list[int], measurer: Measurer) -> list[int]:
         """One continuation by the first lookup (n-gram) at K = `CONTINUATION_K`: the target's own
@@ -198,11 +220,17 @@ class Calibration:
 
     def teacher(self, i: int, layers: tuple[int, ...], measurer: Measurer):
         """The target along prompt `i` and its continuation (`decoding.engines.teacher`), with its
-        hidden `layers`: one forward, shared by every drafter reading those layers."""
+        hidden `layers`: kept from the batch that decoded the continuation where it kept those
+        layers (EAGLE-3's 8 teacher-forced forwards were 4 s of its plan on Gemma-3, 2 cores),
+        else one forward; shared by every drafter reading those layers."""
         if (i, layers) not in self._teachers:
-            continuation = self.continuation(i, measurer)
-            measurer.doing(f"the target's hidden states along calibration prompt {i + 1}")
-            self._teachers[(i, layers)] = teacher_forced(self.models.target, self.prompts[i].ids + continuation, layers)
+            sequence = self.prompts[i].ids + self.continuation(i, measurer, layers)
+            kept = self._hidden.pop((i, layers), None)
+            if kept is not None:
+                self._teachers[(i, layers)] = TeacherForcedLM(self.models.target, sequence, kept, layers)
+            else:
+                measurer.doing(f"the target's hidden states along calibration prompt {i + 1}")
+                self._teachers[(i, layers)] = teacher_forced(self.models.target, sequence, layers)
         return self._teachers[(i, layers)]
 
 
@@ -446,23 +474,51 @@ def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Ca
 
 
 def recorded_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
-                   prompts: int, depth: int, nodes: int, topk: int) -> tuple[list[TreeStep], float, int]:
-    """Calibration prompts decoded with the largest tree of this top-k, every step's candidates
-    recorded (`planning.TreeStep`): (the steps, a hybrid's n-gram nodes per step, prompts read)."""
+                   prompts: int, depth: int, nodes: int, topks: list[int]) -> dict[int, tuple[list[TreeStep], float, int]]:
+    """Calibration prompts decoded with the largest tree, every step's candidates recorded
+    (`planning.TreeStep`): {top-k: (its steps, a hybrid's n-gram nodes per step, prompts read)}.
+    Where the decode replays the target's continuations and its drafter grows the other top-ks'
+    trees beside the widest one's (`TreeDrafter.grow_beside`: EAGLE-2's trees on the eager engine),
+    one decode a prompt records them all, each read at the widest tree's steps as smaller trees
+    are read at the largest's: four top-ks cost about one (each level of all four trees is one
+    draft forward, about as dear as one tree's), where a decode per top-k took most of EAGLE-3's
+    plan (Gemma-3, 2 cores: 28 of its 75 s, and 18 of its hybrid's 25). Else a decode per top-k."""
+    widest = max(topks)
+    beside = tuple(k for k in topks if k != widest) if replays(cfg, models) else ()
+    found = record_trees(cfg, models, calibration, measurer, prompts, depth, nodes, widest, beside)
+    if found is not None:
+        return found
+    out = {}
+    for topk in topks:
+        out.update(record_trees(cfg, models, calibration, measurer, prompts, depth, nodes, topk, ()))
+    return out
+
+
+def record_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer, prompts: int,
+                 depth: int, nodes: int, topk: int, beside: tuple[int, ...]) -> dict | None:
+    """`recorded_trees` of one decode a prompt with the largest top-`topk` tree and, grown beside
+    it, those of `beside` (None: its drafter grows none beside)."""
     settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
-    steps, per_prompt, lookups = [], [], 0
+    steps: dict[int, list[TreeStep]] = {k: [] for k in (topk, *beside)}
+    per_prompt, lookups = [], 0
+    what = f"top-{topk} trees" + (f" (top-{', '.join(map(str, beside))} grown beside)" if beside else "")
     for i, (p, decoder) in enumerate(calibration_decoders(cfg, models, calibration, measurer, settings, prompts)):
-        measurer.doing(f"top-{topk} trees: prompt {i + 1} of at most {prompts}")
-        decoder.recorded = []
+        if beside and not decoder.drafter.grow_beside(beside):
+            return None
+        measurer.doing(f"{what}: prompt {i + 1} of at most {prompts}")
+        decoder.recorded, decoder.recorded_beside = [], {}
         before = lookup_nodes(decoder) or 0
         gen = decoder.generate(p.ids, cfg.max_new_tokens)
         lookups += (lookup_nodes(decoder) or 0) - before
-        steps += decoder.recorded
+        steps[topk] += decoder.recorded
+        for k in beside:
+            steps[k] += decoder.recorded_beside.get(k, [])
         per_prompt.append((len(gen.tokens), len(gen.accepted_lengths)))
-        measurer.tick()
+        measurer.tick(len(steps))
         if enough_prompts(per_prompt):
             break
-    return steps, lookups / max(1, len(steps)), len(per_prompt)
+    extra = lookups / max(1, len(steps[topk]))
+    return {k: (found, extra, len(per_prompt)) for k, found in steps.items()}
 
 
 def tree_depth_nodes(cfg: EvalConfig, models: LoadedModels, topk: int, depth: int, nodes: int) -> int:
@@ -483,11 +539,10 @@ def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibrat
     prompts = min(CALIBRATION_PROMPTS, len(calibration.prompts))
 
     def record() -> dict:
-        steps, extra, read = {}, {}, []
-        for topk in topks:
-            steps[topk], extra[topk], used = recorded_trees(cfg, models, calibration, measurer, prompts, max(depths),
-                                                            max(nodes), topk)
-            read.append(used)
+        found = recorded_trees(cfg, models, calibration, measurer, prompts, max(depths), max(nodes), topks)
+        steps = {k: found[k][0] for k in topks}
+        extra = {k: found[k][1] for k in topks}
+        read = [found[k][2] for k in topks]
         held: dict[tuple[int, int], int] = {}
 
         def static_limit(k: int, d: int) -> int:

@@ -10,7 +10,8 @@ deepest K), measure the target's forward of 1 .. K+1 tokens and the decode loop'
 step, and the drafter's step, on the run's engines (interleaved repeats, medians), and plan. A tree
 drafter (Medusa heads and EAGLE-3 when greedy): record the calibration prompts' steps with the
 largest tree of each top-k weighed, every step's candidates kept (what any smaller tree would have
-accepted is read off them), measure the target's verification of n tree nodes and a plain step,
+accepted is read off them; EAGLE-3's narrower top-ks grown beside the widest, `calibration.
+recorded_trees`), measure the target's verification of n tree nodes and a plain step,
 and search the trees, measuring whole steps as the decision needs them. A cost curve that looks
 like a busy machine is one `warning:` line and a note in the report: a plan made from noise is
 said to be one. Each drafter's plan is one progress line: what is measured now, and the time left.
@@ -24,7 +25,8 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
   measures afresh. The drafter's share of a chain step is measured in rounds of its own.
 - Rounds of a chain's costs: two, and a third only where the two disagree (any cost's round medians
   more than `ROUND_AGREEMENT`, 5%, apart): on a quiet machine a third could not move the plan.
-  The target's rounds were 33 s of the Gemma-3 demo's plans.
+  The target's rounds were 33 s of the Gemma-3 demo's plans. They are taken at one probe where the
+  run's prompts are alike in length (`PROBE_SPAN`), at three where they are not.
 - Acceptance: see `evaluation.calibration` (the target's continuations decoded once; model drafters
   replayed against them instead of verified by the target; prompts read until the confidence
   interval is tight).
@@ -33,9 +35,12 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
   leads (`planning.plan_tree_measured`: the plan measuring every tree would give, unless a leader
   is within 3% of a measured tree, which no timing could tell apart), and a narrower top-k of a
   measured tree's depth and nodes is priced by it, the most it can cost, rather than measured. The verification curve is
-  measured as far as a leader's nodes need (`CURVE_CHUNK` sizes at a time past 8): on a CPU the
-  large trees are ruled out before it reaches them. A whole step is timed over two short decodes,
-  the first two steps left out as warm-up, where three decodes ran before (each a prefill).
+  measured as far as a leader's nodes need (`CURVE_CHUNK` sizes at a time past 8), `CURVE_REPEATS`
+  rounds: on a CPU the large trees are ruled out before it reaches them. A whole step is timed over one short decode
+  (`STEP_PROBE_TOKENS`), its first two steps left out as warm-up: the median of the 5 to 14 steps
+  left, as many as the tree takes, where three decodes ran before, then two (each a prefill and its
+  steps: 1.5-2 s a tree on Gemma-3, 2 cores). A tree's step repeats alike within a decode (one
+  size, one graph), and trees whose steps differ by less than `planning.TIE` are not told apart.
 
 Everything timed is warmed up first as the run will be: a whole step through its decoder's own
 `warmup()`, a forward through the engine's with the sizes AND the hidden layers the decoder
@@ -85,7 +90,17 @@ ROUND_AGREEMENT = 0.05
 ROUND_REPEATS = 3  # timed repeats of each cost per round
 COST_ATTEMPTS = 2  # measurements of impossible costs (`planning.implausible`) before a plan falls back
 PROBE_BUCKETS = 3  # prompt-length buckets whose mid-decode costs a plan averages
+# Probes whose lengths all lie within this ratio are one probe, the middle one: a forward's cost
+# grows about linearly with the context, and slowly (Gemma-3-270M, 2 cores: the 1- and 7-token
+# forwards at 148 and 180 tokens of context differ by under 3%), so two more probes there bought
+# nothing for two thirds of a chain plan's cost rounds (n-gram's 23 s in the Gemma-3 demo).
+PROBE_SPAN = 1.25
 CURVE_CHUNK = 3  # node budgets a tree plan's verification curve grows by, past 8 nodes
+# Timed rounds of a tree plan's verification curve: as many as a chain cost's round (`ROUND_REPEATS`),
+# whose medians agree within `ROUND_AGREEMENT` on a quiet machine; 7 took 7 s of EAGLE-3's plan on
+# Gemma-3 (2 cores). A curve that looks busy is said to be (`planning.noisy`), as before: measured
+# again, Gemma-3's 10-node verification stayed dearer than its 11-node one (MKL's kernels, not noise).
+CURVE_REPEATS = ROUND_REPEATS
 EXPECTED_TREE_STEPS = 6  # whole tree steps a plan's progress line expects to measure
 
 
@@ -114,12 +129,16 @@ def cost_probes(prompts: list[EncodedPrompt], max_new_tokens: int) -> list[list[
     `PROBE_BUCKETS` equal-size buckets of the run's prompts by length, continued halfway through its
     decode (a forward's cost grows about linearly with the context, so mid-decode costs a decode's
     mean). One probe prompt planned n-gram on a mixed set at 1.10x that measured 0.94x: the costs
-    of ~10-token prompts do not hold for ~850-token ones."""
+    of ~10-token prompts do not hold for ~850-token ones; probes within `PROBE_SPAN` of each other
+    are one."""
     ordered = sorted(prompts, key=lambda p: len(p.ids))
     n = min(PROBE_BUCKETS, len(ordered))
     chosen = [ordered[(2 * b + 1) * len(ordered) // (2 * n)].ids for b in range(n)]
     at_length = {len(ids) + max_new_tokens // 2: ids for ids in chosen}  # one probe per length
-    return [list(itertools.islice(itertools.cycle(ids), length)) for length, ids in sorted(at_length.items())]
+    lengths = sorted(at_length)
+    if lengths[-1] <= PROBE_SPAN * lengths[0]:
+        lengths = [lengths[len(lengths) // 2]]
+    return [list(itertools.islice(itertools.cycle(at_length[n]), n)) for n in lengths]
 
 
 def loop_overhead(models: LoadedModels, ids: list[int], single: float, tokens: int = 12) -> float:
@@ -408,9 +427,7 @@ def tree_step_seconds(cfg: EvalConfig, models: LoadedModels, ids: list[int], dep
     decoder = build_decoder(models.target_lm or models.target, models.drafter if depth else target_alone(),
                             settings if depth else settings.alone())
     decoder.warmup()
-    seconds = []
-    for _ in range(2):
-        seconds += decoder.generate(ids, STEP_PROBE_TOKENS).step_seconds
+    seconds = decoder.generate(ids, STEP_PROBE_TOKENS).step_seconds
     drafter = getattr(decoder, "drafter", None)
     model = getattr(drafter, "model", drafter)  # a hybrid's n-gram nodes are counted apart
     return (model.max_nodes if model is not None else 1), median(seconds[WARM_STEPS:] or seconds)
@@ -426,8 +443,9 @@ def curve_chunks(depths: list[int], nodes: list[int]) -> list[list[int]]:
 def tree_verification(cfg: EvalConfig, models: LoadedModels, ids: list[int], layers: tuple[int, ...],
                       sizes: list[int]) -> list[list[float]]:
     """The target's verification of `sizes` tree nodes after `ids` (timings by size), with the hidden
-    `layers` the tree decoder verifies with."""
-    return forward_curve(models.target_lm or as_cached_lm(models.target), ids, sizes, tree=True, hidden_layers=layers)
+    `layers` the tree decoder verifies with, in `CURVE_REPEATS` rounds."""
+    return forward_curve(models.target_lm or as_cached_lm(models.target), ids, sizes, repeats=CURVE_REPEATS, tree=True,
+                         hidden_layers=layers)
 
 
 class TreeCurve:

@@ -56,6 +56,22 @@ def test_topk_logprobs_equal_a_full_forward(target):
         torch.testing.assert_close(values[b, :len(row)], want_values.float(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("layers", [(0, 2), (1,), (2,)])  # (2,): the last layer, after the final norm
+def test_hidden_states_along_each_row_equal_a_teacher_forced_forward(target, layers):
+    """`greedy_with_hidden`: the same rows as `generate`, and each row's hidden layers along its
+    prompt and continuation (EOS included) are one full forward's over them (`teacher_forced`'s)."""
+    ids, mask = left_pad(PROMPTS, 0, "cpu")
+    gen = BatchGenerator(target, batch_size=8, max_length=ids.shape[1] + MAX_NEW)
+    rows, hidden = gen.greedy_with_hidden(ids, mask, max_new_tokens=MAX_NEW, eos_token_ids=[2], hidden_layers=layers)
+    assert rows == [reference(target, p) for p in PROMPTS]
+    for prompt, row, states in zip(PROMPTS, rows, hidden):
+        with torch.no_grad():
+            out = target(torch.tensor([prompt + row]), output_hidden_states=True)
+        want = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+        assert states.shape == want.shape
+        torch.testing.assert_close(states, want, rtol=1e-9, atol=1e-9)
+
+
 def test_too_long_is_a_clear_error(target):
     ids, mask = left_pad(PROMPTS, 0, "cpu")
     gen = BatchGenerator(target, batch_size=5, max_length=10)

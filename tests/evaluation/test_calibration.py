@@ -103,6 +103,26 @@ def test_a_target_the_static_engine_cannot_run_is_decoded_one_prompt_at_a_time(t
     assert batches == []
 
 
+def test_a_teacher_reads_the_hidden_states_its_batch_kept(target, monkeypatch):
+    """The first drafter to read hidden layers has them kept by the batch that decodes the
+    continuations: its teacher-forced targets are built from them, with no forward of their own,
+    and hold what a teacher-forced forward over prompt and continuation gives; other layers than
+    the batch kept take that forward."""
+    from drafttrain.decoding.engines.teacher import teacher_forced
+
+    layers, forwards = (0, 2), []
+    monkeypatch.setattr(calibrating, "teacher_forced", lambda *a: forwards.append(a[2]) or teacher_forced(*a))
+    cal, measurer = calibration(target), Measurer(now())
+    for i, prompt in enumerate(PROMPTS):
+        kept = cal.teacher(i, layers, measurer)
+        reference = teacher_forced(target, prompt + alone(target, prompt), layers)
+        assert kept.sequence.tolist() == reference.sequence.tolist()
+        torch.testing.assert_close(kept.hidden, reference.hidden, rtol=1e-9, atol=1e-9)
+    assert forwards == []
+    cal.teacher(0, (1,), measurer)
+    assert forwards == [(1,)]
+
+
 def test_the_progress_line_says_the_batch_is_decoded(target):
     shown = []
 

@@ -354,6 +354,21 @@ def test_costs_are_measured_over_the_context_lengths_the_run_decodes(setup, tmp_
     assert all(s > 0 for s in plan["costs"]["draft_seconds"][1:])  # the lookup's host time
 
 
+@pytest.mark.parametrize("lengths,probes", [([150, 160, 170, 180, 190, 200], [180 + 48]),
+                                            ([10, 12, 100, 110, 400, 420], [12 + 48, 110 + 48, 420 + 48])])
+def test_prompts_alike_in_length_are_probed_once(lengths, probes):
+    """Costs are taken mid-decode (96 new tokens) of each length bucket's middle prompt (here 160,
+    180 and 200 tokens, or 12, 110 and 420); where those probes lie within `PROBE_SPAN` of each
+    other, at the middle one only: a forward's cost hardly moves over such a span."""
+    from drafttrain.evaluation.plan import cost_probes
+    from drafttrain.prompts import EncodedPrompt
+
+    prompts = [EncodedPrompt(i, "c", list(range(3, 3 + n))) for i, n in enumerate(lengths)]
+    found = cost_probes(prompts, 96)
+    assert [len(p) for p in found] == probes
+    assert all(any(p[:len(q.ids)] == q.ids for q in prompts) for p in found)  # each continues a prompt of the run
+
+
 def injected_costs(monkeypatch, spread: float) -> list[str]:
     """Every chain cost timed as a machine whose every other measurement runs `spread` slower (0: a
     quiet one): what is timed, in order."""

@@ -76,6 +76,12 @@ class CachedLM:
         """Keep only the first `length` cached tokens."""
         raise NotImplementedError
 
+    def known_continuation(self, past: int, n: int) -> list[int] | None:
+        """The target's own next `n` tokens after the one at position `past`, where it knows them
+        before verifying (a teacher-forced target replaying its decode, `engines.teacher`; cut
+        where its sequence ends); None for a real forward, which learns them verifying only."""
+        return None
+
     def compact(self, past_len: int, nodes, path: torch.Tensor | None = None) -> None:
         """After a tree forward at `past_len`: keep the prefix and the given nodes' entries, in order.
         `path`: the same nodes on the device, padded by repeating the last (the verdict's), so an

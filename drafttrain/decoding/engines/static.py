@@ -287,9 +287,10 @@ def softcap_logits(config, logits: torch.Tensor) -> torch.Tensor:
 
 def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 block_mask: torch.Tensor, key_valid: torch.Tensor | None, hidden_layers: tuple[int, ...] = (),
-                last_only: bool = False):
+                last_only: bool = False, rows: slice = slice(None)):
     """tokens/positions [B, n], slots [n], block_mask [n, n] -> (logits [B, n, V], hidden [B, n, D] or None).
-    `last_only`: logits [B, 1, V] of the last token only (a batch's prefill reads no other).
+    `last_only`: logits [B, 1, V] of the last token only (a batch's prefill reads no other). `rows`:
+    the cache rows the B rows are (a batch's prefill, a row at a time: `BatchGenerator`).
 
     Writes the n tokens' K/V at `slots` of every layer. The one function both compiled and
     uncompiled steps run. Each layer's q/k/v and gate/up take one matmul each (`cache.fused`).
@@ -314,7 +315,7 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        keys, values = cache.kv[0, i], cache.kv[1, i]  # views taken in the graph: `kv` is its input
+        keys, values = cache.kv[0, i, rows], cache.kv[1, i, rows]  # views taken in the graph: `kv` is its input
         keys.index_copy_(2, slots, k)
         values.index_copy_(2, slots, v)
         q = q.reshape(B, cache.kv_heads, G * n, d)  # query head j*G + g reads KV head j
@@ -430,14 +431,15 @@ class StaticLM(CachedLM):
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, block_mask: torch.Tensor, *,
             key_valid: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (), compiled: bool = False,
-            last_only: bool = False):
+            last_only: bool = False, rows: slice = slice(None)):
         """One step at slots length .. length + n - 1 ([B, n] inputs). Does not move `length`.
-        `last_only` (uncompiled): the LM head over the last token only (`static_step`)."""
+        `last_only` (uncompiled): the LM head over the last token only, and the inputs may be some
+        `rows` of the cache's (`static_step`)."""
         n = tokens.shape[1]
         slots = torch.arange(self.length, self.length + n, device=self.device)
         if last_only:
             return static_step(self.model, self.cache, tokens, positions, slots, block_mask, key_valid,
-                               tuple(hidden_layers), last_only=True)
+                               tuple(hidden_layers), last_only=True, rows=rows)
         fn = self._step_fn(tuple(hidden_layers), compiled and self.compile)
         return fn(tokens, positions, slots, block_mask, key_valid)
 

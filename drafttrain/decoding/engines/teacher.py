@@ -75,6 +75,10 @@ class TeacherForcedLM(CachedLM):
         self._check_rollback(length)
         self.length = length
 
+    def known_continuation(self, past: int, n: int) -> list[int]:
+        real = self.sequence.numel() - 1  # the last token is repeated past the end
+        return self.sequence[past + 1:min(past + 1 + n, real)].tolist()
+
     def compact(self, past_len: int, nodes, path=None) -> None:
         """The kept path is the sequence's own tokens at the next positions: only the length moves."""
         self.length = past_len + len(nodes)

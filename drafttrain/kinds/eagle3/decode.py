@@ -48,7 +48,7 @@ import torch
 
 from ...decoding.chain import ChainDecoder
 from ...decoding.dynamic_tree import (DYNAMIC_TREE_NODES, DYNAMIC_TREE_TOPK, DynamicTree, candidate_count,
-                                      grow_dynamic_tree)
+                                      grow_dynamic_forest, grow_dynamic_tree)
 from ...decoding.engines import StaticLM, as_cached_lm, device_tensor
 from ...decoding.engines.static import move_entries
 from ...decoding.timing import timed
@@ -317,6 +317,16 @@ class Eagle3Runtime(FeatureDraftRuntime):
                         functools.partial(tree_in_place, self.draft, self.cache, **shape))
         return grow(last.logits[0, -1:], last.hidden[0, -1:], root.view(1), self.meta)
 
+    def dynamic_forest(self, last: DraftStep, root: torch.Tensor, *, depth: int, topks: tuple[int, ...],
+                       nodes: int) -> list[DynamicTree]:
+        """`dynamic_tree` for each top-k of `topks` in one forward a level (`grow_dynamic_forest`): a
+        planner's recording, on the eager engine (its levels are scratch entries a rollback drops)."""
+        if self.padded:
+            raise ValueError("a forest of dynamic trees is grown on the eager engine only")
+        level = functools.partial(_eager_level, self.draft, self.cache, self.cache.length)
+        return grow_dynamic_forest(self.draft, level, last.logits[0, -1:], last.hidden[0, -1:], root, depth=depth,
+                                   topks=topks, nodes=nodes)
+
     def keep_tree(self, target_lm, path: torch.Tensor, argmax: torch.Tensor, hidden: torch.Tensor, past: int,
                   kept: int, *, depth: int, topk: int, nodes: int) -> DynamicTree:
         """The static engine's step after a tree verification (`keep_path_and_grow_tree`): one
@@ -485,6 +495,8 @@ class Eagle3TreeDrafter(RuntimeView, TreeDrafter):
             self.max_depth, self.topk = min(depth, nodes - 1), topk
             self.max_nodes = min(nodes, candidate_count(self.max_depth, topk))
         self._ranked = None  # the last draft's candidates, for `candidates`
+        self._beside: tuple[int, ...] = ()  # top-ks grown beside each tree (`grow_beside`)
+        self._grown_beside: dict[int, DynamicTree] = {}
         self._next: DynamicTree | None = None  # the next step's tree, grown by `keep` (or `reset`)
         self._skipped = False  # the last draft was asked for no depth: its commit defers the feed
         self._root_only = tree_from_parents([-1], self.device)  # built once: no copy in a step
@@ -539,16 +551,32 @@ class Eagle3TreeDrafter(RuntimeView, TreeDrafter):
         last = self.runtime.last
         self._ranked = ([], [], [], [])  # nothing drafted, until a tree is
         if last is None or depth == 0:
+            self._grown_beside = {}
             return root.reshape(1), self._root_only
         if self.buffers is not None:
             return self._static(root, depth)
         return self._dynamic(root)
 
     def _grow(self, root) -> DynamicTree:
-        grown = self.runtime.dynamic_tree(self.runtime.last, root, depth=self.max_depth, topk=self.topk,
-                                         nodes=self.max_nodes)
         self.runtime.forwards += self.max_depth - 1
+        if not self._beside:
+            return self.runtime.dynamic_tree(self.runtime.last, root, depth=self.max_depth, topk=self.topk,
+                                             nodes=self.max_nodes)
+        grown, *beside = self.runtime.dynamic_forest(self.runtime.last, root, depth=self.max_depth,
+                                                     topks=(self.topk, *self._beside), nodes=self.max_nodes)
+        self._grown_beside = dict(zip(self._beside, beside))
         return grown
+
+    def grow_beside(self, topks):
+        """A dynamic tree on the eager engine grows other top-ks' trees in its own forwards
+        (`Eagle3Runtime.dynamic_forest`)."""
+        if self.buffers is not None or self.runtime.padded:
+            return False
+        self._beside = tuple(k for k in topks if k != self.topk)
+        return True
+
+    def candidates_beside(self):
+        return {k: listed_candidates(tree) for k, tree in self._grown_beside.items()}
 
     def _dynamic(self, root):
         """EAGLE-2's tree, always grown `max_depth` deep (one shape, one graph): a step that may go
@@ -566,13 +594,10 @@ class Eagle3TreeDrafter(RuntimeView, TreeDrafter):
         if self._ranked is None:
             return None
         if isinstance(self._ranked, DynamicTree):
-            ranked, tokens, parents, depths = (t.tolist() for t in self._ranked[4:])
-        else:
-            ranked, tokens, parents, depths = self._ranked
-            tokens = torch.stack([tokens[n] for n in ranked]).tolist() if ranked else []
-            tokens = dict(zip(ranked, tokens))
-        rank = {n: i for i, n in enumerate(ranked)}
-        return [tokens[n] for n in ranked], [rank.get(parents[n], -1) for n in ranked], [depths[n] for n in ranked]
+            return listed_candidates(self._ranked)
+        ranked, tokens, parents, depths = self._ranked
+        tokens = torch.stack([tokens[n] for n in ranked]).tolist() if ranked else []
+        return ranked_lists(ranked, dict(zip(ranked, tokens)), parents, depths)
 
     def _expand(self, level: list[int], tokens: list[torch.Tensor], parents: list[int], expanded: list[int],
                 outputs: dict[int, DraftStep], hidden_of: dict[int, torch.Tensor], depth_of_level: int) -> None:
@@ -626,6 +651,18 @@ class Eagle3TreeDrafter(RuntimeView, TreeDrafter):
         ranked = sorted(range(1, len(keep)), key=lambda i: self.rank[buffers.paths[keep[i] - 1]])
         self._ranked = (ranked, tokens, tree.parents, [depths[n] for n in keep])
         return torch.stack(tokens), tree
+
+
+def listed_candidates(tree: DynamicTree) -> tuple[list[int], list[int], list[int]]:
+    """A dynamic tree's candidates as `TreeDrafter.candidates` lists them (read on the host)."""
+    ranked, tokens, parents, depths = (t.tolist() for t in tree[4:])
+    return ranked_lists(ranked, tokens, parents, depths)
+
+
+def ranked_lists(ranked, tokens, parents, depths) -> tuple[list[int], list[int], list[int]]:
+    """(tokens, parents, depths) of the candidates `ranked` best first, parents by their rank (-1: the root)."""
+    rank = {n: i for i, n in enumerate(ranked)}
+    return [tokens[n] for n in ranked], [rank.get(parents[n], -1) for n in ranked], [depths[n] for n in ranked]
 
 
 def eagle3_decoder(target, runtime: Eagle3Runtime, *, num_draft_tokens: int, tree: str | list[Path] = "chain",

@@ -61,7 +61,8 @@ def test_a_batch_prefill_reads_one_row_of_the_head_a_prompt():
     rows = head_rows(model)
     ids, mask = left_pad(prompts, 0, torch.device("cpu"))
     out, _, _ = generator.generate(ids, mask, max_new_tokens=5, eos_token_ids=[])
-    assert rows[0] == 4  # [batch, 1]: each row's last prompt token, the padding rows' too
+    # a row at a time, each its last prompt token (none for the batch's padding row), then [batch, 1] a step
+    assert rows == [1, 1, 1] + [4] * 4
     assert out == [greedy_reference(model, p, 5) for p in prompts]
 
 

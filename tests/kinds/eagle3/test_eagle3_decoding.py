@@ -319,3 +319,73 @@ def test_the_recorded_steps_tell_what_a_smaller_tree_accepts(trained_pair, tree)
             assert first == accepted_within(big.recorded[0], depth, nodes), (prompt, depth, nodes)
             checked += first > 0
     assert checked  # some first steps accepted drafts: the check saw more than empty paths
+
+
+def candidate_paths(listed, nodes: int) -> set[tuple[int, ...]]:
+    """The token paths of the first `nodes - 1` candidates `TreeDrafter.candidates` lists (best first)."""
+    tokens, parents, _ = listed
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tokens, parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return set(paths[:nodes - 1])
+
+
+def test_a_forest_grows_each_top_ks_tree_as_it_grows_alone(trained_pair):
+    """The trees of other top-ks grown beside the verified one (`grow_beside`: one draft forward a
+    level for all) are EAGLE-2's own choice for each top-k (the brute-force expansion), the verified
+    tree unchanged, and the draft's cache holds one entry a node expanded, of every tree."""
+    target, draft = trained_pair
+    sequence, depth, nodes = PROMPTS[2], 3, 9
+    drafter = Eagle3TreeDrafter(Eagle3Runtime(draft), "cpu", depth=depth, topk=3, nodes=nodes)
+    assert drafter.grow_beside((1, 2, 3, 4))
+    hidden = target_hidden_states(target, torch.tensor([sequence[:-1]]))
+    drafter.reset(sequence, draft.target_features(hidden)[0])
+    with torch.no_grad():
+        tokens, tree = drafter.draft(torch.tensor([sequence[-1]]), depth)
+    grown = {tuple(int(tokens[n]) for n in tree.path_to(i)[1:]) for i in range(1, tree.num_nodes)}
+    assert grown == set(brute_force_dynamic_tree(target, draft, sequence, depth, 3, nodes))
+    beside = drafter.candidates_beside()
+    assert sorted(beside) == [1, 2, 4]
+    for topk, listed in beside.items():
+        assert candidate_paths(listed, nodes) == set(brute_force_dynamic_tree(target, draft, sequence, depth, topk,
+                                                                              nodes)), topk
+    expanded = drafter.runtime.cache.length - (len(sequence) - 1)  # one entry a distinct node: top-4 holds the rest at depth 1
+    assert 4 + 4 <= expanded < (1 + 2 + 3 + 4) * (depth - 1)
+
+
+def test_trees_grown_beside_are_recorded_at_the_verified_trees_steps(trained_pair):
+    """A replayed decode (`teacher_forced`) records, at each of its steps, the trees grown beside
+    against the target's own continuation: each the tree EAGLE-2 grows for that top-k from that
+    prefix (the draft's state a function of the text and the target's features along it), whose
+    `accepted_within` is what the target accepts of it; the verified tree's records as before."""
+    from drafttrain.decoding.engines.teacher import teacher_forced
+    from drafttrain.planning import agreed
+
+    target, draft = trained_pair
+    depth, nodes, prompt, new = 3, 8, PROMPTS[0], 14
+    continuation = greedy_reference(target, prompt, new)
+    decoder = draft_decoder(target, draft, num_draft_tokens=depth, tree="dynamic", tree_nodes=nodes, tree_topk=4)
+    layers = tuple(decoder.hidden_layers)
+    replay = draft_decoder(teacher_forced(target, prompt + continuation, layers), draft, num_draft_tokens=depth,
+                           tree="dynamic", tree_nodes=nodes, tree_topk=4)
+    assert replay.drafter.grow_beside((1, 2, 4))
+    replay.recorded, replay.recorded_beside = [], {}
+    gen = replay.generate(prompt, new)
+    assert gen.tokens == continuation
+    assert sorted(replay.recorded_beside) == [1, 2]
+    emitted = 0
+    for i, step in enumerate(replay.recorded):
+        ahead = continuation[emitted:emitted + depth + 1]
+        assert step.continuation == tuple(ahead[:len(step.continuation)])
+        for topk in (1, 2):
+            beside = replay.recorded_beside[topk][i]
+            assert beside.continuation == tuple(ahead) and beside.lookup == ()
+            if i < 3:  # the brute force decodes a chain per candidate: a few steps suffice
+                listed = (beside.tokens, beside.parents, beside.depths)
+                sequence = prompt + continuation[:emitted]
+                assert candidate_paths(listed, nodes) == set(brute_force_dynamic_tree(target, draft, sequence, depth,
+                                                                                      topk, nodes)), (i, topk)
+            longest = max((len(p) for p in candidate_paths((beside.tokens, beside.parents, beside.depths), nodes)
+                           if agreed(list(p), ahead) == len(p)), default=0)
+            assert accepted_within(beside, depth, nodes) == longest
+        emitted += gen.accepted_lengths[i] + 1
