@@ -37,7 +37,7 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
   measured tree's depth and nodes is priced by it, the most it can cost, rather than measured. The verification curve is
   measured as far as a leader's nodes need (`CURVE_CHUNK` sizes at a time past 8), `CURVE_REPEATS`
   rounds: on a CPU the large trees are ruled out before it reaches them. A whole step is timed over one short decode
-  (`STEP_PROBE_TOKENS`), its first two steps left out as warm-up: the median of the 5 to 14 steps
+  (`STEP_PROBE_TOKENS`), its first two steps left out as warm-up: the median of the 3 to 14 steps
   left, as many as the tree takes, where three decodes ran before, then two (each a prefill and its
   steps: 1.5-2 s a tree on Gemma-3, 2 cores). A tree's step repeats alike within a decode (one
   size, one graph), and trees whose steps differ by less than `planning.TIE` are not told apart.
