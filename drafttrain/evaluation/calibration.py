@@ -484,14 +484,13 @@ def recorded_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibrati
     draft forward, about as dear as one tree's), where a decode per top-k took most of EAGLE-3's
     plan (Gemma-3, 2 cores: 28 of its 75 s, and 18 of its hybrid's 25). Else a decode per top-k."""
     widest = max(topks)
-    beside = tuple(k for k in topks if k != widest) if replays(cfg, models) else ()
-    found = record_trees(cfg, models, calibration, measurer, prompts, depth, nodes, widest, beside)
-    if found is not None:
-        return found
-    out = {}
-    for topk in topks:
-        out.update(record_trees(cfg, models, calibration, measurer, prompts, depth, nodes, topk, ()))
-    return out
+    beside = tuple(k for k in topks if k != widest)
+    if beside and replays(cfg, models):
+        found = record_trees(cfg, models, calibration, measurer, prompts, depth, nodes, widest, beside)
+        if found is not None:
+            return found
+    return {k: v for topk in topks
+            for k, v in record_trees(cfg, models, calibration, measurer, prompts, depth, nodes, topk, ()).items()}
 
 
 def record_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer, prompts: int,

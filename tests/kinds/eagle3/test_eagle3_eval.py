@@ -153,16 +153,23 @@ def test_eagle3_tree_that_cannot_fit_the_draft_vocabulary_is_one_error_line(file
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("extra", [[], ["--num-draft-tokens", "auto"]])
-def test_a_planned_tree_decodes_with_its_plan_and_equals_the_target(files, tmp_path, extra):
+@pytest.mark.parametrize("extra", [[], ["--num-draft-tokens", "auto"], ["--engine", "static"]],
+                         ids=["K", "auto", "static"])
+def test_a_planned_tree_decodes_with_its_plan_and_equals_the_target(files, tmp_path, extra, monkeypatch):
     """--tree-nodes auto (with --num-draft-tokens auto: depth too): the calibration prompts decode
-    the largest tree of each top-k up to --tree-topk, every (top-k, depth) is weighed, the trees the
-    decision needs are timed whole (the chosen one always), and the chosen setting is the one that
-    decodes, losslessly."""
+    the largest tree of each top-k up to --tree-topk (on the eager engine, replayed, the narrower
+    grown beside the widest; on the static engine, against the target, a decode per top-k), every
+    (top-k, depth) is weighed, the trees the decision needs are timed whole (the chosen one always),
+    and the chosen setting is the one that decodes, losslessly."""
+    from drafttrain.evaluation import calibration as calibrating
+
     root, references = files
     calibration = tmp_path / "c.jsonl"
     calibration.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i} w{i + 1} w{i + 2}"}) + "\n"
                                    for i in (5, 20, 33)))
+    recordings, record = [], calibrating.record_trees
+    monkeypatch.setattr(calibrating, "record_trees",
+                        lambda *a: recordings.append((a[7], a[8])) or record(*a))  # (top-k decoded, grown beside)
     report, rows = run(["eval", "--target", str(root / "target"), "--eagle3", str(root / "eagle3"),
                         "--prompts", str(root / "p.jsonl"), "--max-new-tokens", str(MAX_NEW), "--dtype", "float64",
                         "--num-draft-tokens", "3", *extra, "--tree-nodes", "auto", "--tree-topk", "4",
@@ -170,7 +177,7 @@ def test_a_planned_tree_decodes_with_its_plan_and_equals_the_target(files, tmp_p
     plan = report["plan"]
     assert [r["speculative_token_ids"] for r in rows] == references
     weighed = {(c["num_draft_tokens"], c["tree_topk"]) for c in plan["candidates"] if c["num_draft_tokens"]}
-    depths = range(1, PLAN_MAX_K + 1) if extra else [3]
+    depths = range(1, PLAN_MAX_K + 1) if "auto" in extra else [3]
     assert weighed == {(d, k) for d in depths for k in (1, 2, 4)}
     timed = {(s["num_draft_tokens"], s["tree_nodes"], s["tree_topk"]) for s in plan["costs"]["step_seconds"]}
     assert {(d, k) for d, _, k in timed} <= weighed
@@ -182,6 +189,7 @@ def test_a_planned_tree_decodes_with_its_plan_and_equals_the_target(files, tmp_p
         assert report["config"]["tree_nodes"] == plan["tree_nodes"] and report["config"]["tree_topk"] == plan["tree_topk"]
         assert overall_nodes(report) <= plan["tree_nodes"]
     assert plan["source"].startswith("3 calibration prompts") and "recorded tree steps" in plan["source"]
+    assert recordings == ([(1, ()), (2, ()), (4, ())] if "static" in extra else [(4, (1, 2))])
 
 
 def overall_nodes(report) -> int:
