@@ -186,14 +186,15 @@ class BatchGenerator:
                 top_ids.append(ids)
             generated.append(token)
             finished |= torch.isin(token, eos)
-            if (step + 1 == max_new_tokens or bool(finished.all())) and not hidden_layers:  # the step's one host sync
+            done = step + 1 == max_new_tokens or bool(finished.all())  # the step's one host sync
+            if done and not hidden_layers:
                 break
             last, hidden = self._decode_step(token, position, key_valid, hidden_layers)
             self.lm.length += 1
             position = position + 1
             if hidden_layers:
                 fed.append(hidden)
-                if step + 1 == max_new_tokens or bool(finished.all()):  # the last token fed for its hidden states
+                if done:  # the last token was fed for its hidden states
                     break
         rows = torch.stack(generated, dim=1)[:b].tolist()
         cut = [cut_at_eos(r, eos_token_ids) for r in rows]

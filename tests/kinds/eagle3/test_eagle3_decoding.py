@@ -333,7 +333,7 @@ def candidate_paths(listed, nodes: int) -> set[tuple[int, ...]]:
 def test_a_forest_grows_each_top_ks_tree_as_it_grows_alone(trained_pair):
     """The trees of other top-ks grown beside the verified one (`grow_beside`: one draft forward a
     level for all) are EAGLE-2's own choice for each top-k (the brute-force expansion), the verified
-    tree unchanged, and the draft's cache holds one entry a node expanded, of every tree."""
+    tree unchanged, and the draft's cache holds one entry per distinct node expanded (the trees share some)."""
     target, draft = trained_pair
     sequence, depth, nodes = PROMPTS[2], 3, 9
     drafter = Eagle3TreeDrafter(Eagle3Runtime(draft), "cpu", depth=depth, topk=3, nodes=nodes)
