@@ -417,19 +417,37 @@ def wider_sibling_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, in
     return beyond + costs.verify_seconds(nodes + table[key][1])
 
 
-def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
+def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int],
+                 beside: bool = True) -> tuple[float, bool]:
     """A tree's step seconds, and whether they are settled by a measurement: its own measured step,
     else the most it can cost by a measured wider sibling (`wider_sibling_seconds`); else the least
     it can cost, never above the truth: its verification (the curve at its nodes and a hybrid's
-    n-gram nodes) plus `beyond_verification`."""
+    n-gram nodes) plus `beyond_verification`. A hybrid's step verifying both (`beside`) costs at
+    least its verification with the calibration's n-gram nodes and a plain step's loop
+    (`hybrid_floor`), whatever its probe's short decode found; `beside` False: the model's tree
+    alone (a lookup-first step where the lookup found nothing), as measured."""
     if key in costs.exact:
-        return costs.exact[key], True
-    sibling = wider_sibling_seconds(table, costs, key)
-    if sibling is not None:
-        return sibling, True
-    topk, depth, nodes = key
-    verify = costs.least_verify_seconds(nodes + table[key][1])
-    return verify + beyond_verification(table, costs, topk, depth, nodes), False
+        seconds = costs.exact[key]
+    else:
+        seconds = wider_sibling_seconds(table, costs, key)
+        if seconds is None:
+            topk, depth, nodes = key
+            verify = costs.least_verify_seconds(nodes + table[key][1])
+            return verify + beyond_verification(table, costs, topk, depth, nodes), False
+    return (max(seconds, hybrid_floor(table, costs, key)) if beside else seconds), True
+
+
+def hybrid_floor(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> float:
+    """The least a hybrid's step verifying both branches costs (0 for a tree without n-gram nodes):
+    the curve at its tree's nodes and the calibration's n-gram nodes beside it, and a plain step's
+    loop. Its whole step is timed over a short decode of the probe prompt, whose lookup may find
+    fewer continuations than the calibration's steps did: Gemma-3's EAGLE-3 + n-gram (2 cores,
+    2026-11-28) timed a 2-node tree's step at 93 ms there and measured 139 ms a step in the run,
+    which verified 3.4 n-gram nodes a step beside it (planned 2.28x, measured 1.42x)."""
+    extra = table[key][1]
+    if not extra:
+        return 0.0
+    return costs.verify_seconds(key[2] + extra) + max(0.0, costs.plain - costs.verify[0])
 
 
 FirstTable = dict[tuple[int, int, int], tuple[float, float, float]]  # (top-k, depth, nodes) -> (tokens a step,
@@ -461,7 +479,7 @@ def lookup_first_seconds(table: TreeTable, first: FirstTable, costs: TreeCosts,
     tree's step as measured beside the lookup (`tree_seconds`), whose lookup nodes are the probe's, not
     the calibration's: taking the calibration's out priced Gemma-3's EAGLE-3 + n-gram at 1.90x for a
     measured 1.63x; the step as measured is the most a step without them costs."""
-    model, settled = tree_seconds(table, costs, key)
+    model, settled = tree_seconds(table, costs, key, beside=False)
     _, share, lookup_nodes = first[key]
     lookup = costs.verify_seconds(1 + lookup_nodes) + max(0.0, costs.plain - costs.verify[0])
     return share * lookup + (1 - share) * model, settled

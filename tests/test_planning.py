@@ -436,6 +436,27 @@ def test_a_tree_step_between_measured_sizes_is_interpolated():
     assert tree_seconds(hybrid, costs, (4, 2, 4))[0] == pytest.approx(1.8 + (3.0 - 2.4))
 
 
+def test_a_hybrid_step_verifying_both_costs_at_least_its_calibrated_lookup_nodes():
+    """A hybrid's whole step is timed over a short decode of the probe, whose lookup may find fewer
+    continuations than calibration did (Gemma-3's EAGLE-3 + n-gram: 93 ms at the probe, 139 ms a step
+    in the run). Verifying both, it costs at least the curve at its tree's nodes and the calibration's
+    n-gram nodes, plus a plain step's loop; the model's tree alone (a lookup-first step where the
+    lookup found nothing) is priced as measured, and a tree without n-gram nodes is unchanged."""
+    costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), 1.1, exact={(1, 4, 2): 1.3})
+    hybrid = {(1, 4, 2): (2.8, 3.0)}  # 3 n-gram nodes a step beside a 2-node tree
+    floor = costs.verify_seconds(2 + 3) + (1.1 - 1.0)
+    assert floor == pytest.approx(1.9) and tree_seconds(hybrid, costs, (1, 4, 2)) == (pytest.approx(floor), True)
+    assert tree_seconds(hybrid, costs, (1, 4, 2), beside=False) == (1.3, True)
+    assert tree_seconds({(1, 4, 2): (2.8, 0.0)}, costs, (1, 4, 2)) == (1.3, True)
+    slow = TreeCosts(costs.sizes, costs.verify, costs.plain, exact={(1, 4, 2): 2.5})  # the probe found as many
+    assert tree_seconds(hybrid, slow, (1, 4, 2)) == (2.5, True)
+    both = next(c for c in plan_tree(hybrid, costs).candidates if c.num_draft_tokens == 4)
+    assert both.planned_speedup == pytest.approx(2.8 * 1.1 / floor)
+    first = {(1, 4, 2): (2.5, 0.5, 3.0)}  # lookup first: half the steps the lookup's 3 nodes alone
+    lookup = costs.verify_seconds(1 + 3) + (1.1 - 1.0)
+    assert lookup_first_seconds(hybrid, first, costs, (1, 4, 2)) == (pytest.approx(0.5 * lookup + 0.5 * 1.3), True)
+
+
 def test_a_wider_siblings_measured_step_settles_a_narrower_trees_price():
     """A step of the same depth and nodes measured at a wider top-k is the most a narrower one costs
     (the same verification, fewer candidates drafted): the narrowest wider one, moved along the curve

@@ -22,7 +22,13 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
   the loop's overhead) are measured once per run and shared by every drafter verifying the same way
   (n-gram and suffix lookup; EAGLE-3 and EAGLE-3 + n-gram), and kept with all the rest under
   `$DRAFTTRAIN_HOME/plans` (`plan_cache`): a second identical run measures nothing. `--replan`
-  measures afresh. The drafter's share of a chain step is measured in rounds of its own.
+  measures afresh. The drafter's share of a chain step is measured in rounds of its own. A chain's
+  forwards are not read off a tree plan's curve: a tree's mask costs other than a chain's at some
+  sizes (Gemma-3, 2 cores, 2026-11-28: 3 tree nodes 99.5 ms, 3 chain tokens 80 ms).
+- No prefill twice. The target keeps its prefills of the probes while planning
+  (`CachedLM.keeping_prefills`, eager engine): every whole step, loop overhead and forward curve
+  starts from one. The Gemma-3 demo's plans prefilled its 167-token probe 16 times, 6.1 s (2 cores,
+  2026-11-28); now twice (with and without EAGLE-3's layers).
 - Rounds of a chain's costs: two, and a third only where the two disagree (any cost's round medians
   more than `ROUND_AGREEMENT`, 5%, apart): on a quiet machine a third could not move the plan.
   The target's rounds were 33 s of the Gemma-3 demo's plans. They are taken at one probe where the
@@ -40,7 +46,9 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
   (`STEP_PROBE_TOKENS`), its first two steps left out as warm-up: the median of the 3 to 14 steps
   left, as many as the tree takes, where three decodes ran before, then two (each a prefill and its
   steps: 1.5-2 s a tree on Gemma-3, 2 cores). A tree's step repeats alike within a decode (one
-  size, one graph), and trees whose steps differ by less than `planning.TIE` are not told apart.
+  size, one graph), and trees whose steps differ by less than `planning.TIE` are not told apart. A
+  hybrid's whole step verifying both is priced at least at the verification of its tree and the
+  calibration's n-gram nodes (`planning.hybrid_floor`): the probe's short decode may find fewer.
 
 Everything timed is warmed up first as the run will be: a whole step through its decoder's own
 `warmup()`, a forward through the engine's with the sizes AND the hidden layers the decoder
@@ -51,6 +59,7 @@ priced against compiled ones.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import sys
@@ -620,10 +629,19 @@ def resolve_plans(cfgs: list[EvalConfig], models: list[LoadedModels], prompts: l
     oldest). Costs are measured at `cost_probes` of the evaluated `prompts` (their lengths:
     acceptance comes from other prompts); `progress`: one line per drafter's plan. A chain drafter
     has no tree to size: beside a tree drafter in a compare (`run.check_tree_nodes_auto` refuses it
-    alone), its report says `--tree-nodes auto` did not apply."""
+    alone), its report says `--tree-nodes auto` did not apply. The target keeps its prefills while
+    planning (`CachedLM.keeping_prefills`): every cost is timed after the same few probes."""
+    probes = cost_probes(prompts, cfgs[0].max_new_tokens)
+    target_lm = models[0].target_lm
+    with target_lm.keeping_prefills() if target_lm is not None else contextlib.nullcontext():
+        return plan_each(cfgs, models, probes, calibration, progress)
+
+
+def plan_each(cfgs: list[EvalConfig], models: list[LoadedModels], probes: list[list[int]],
+              calibration: list[EncodedPrompt], progress: bool) -> tuple[list[EvalConfig], list[dict | None]]:
+    """`resolve_plans`, drafter by drafter, sharing one `PlanRun` (made by the first that plans)."""
     from tqdm.auto import tqdm
 
-    probes = cost_probes(prompts, cfgs[0].max_new_tokens)
     run = None
     planned, blocks = [], []
     for cfg, m in zip(cfgs, models):

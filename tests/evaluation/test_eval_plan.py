@@ -434,3 +434,30 @@ def test_a_planned_tree_hybrid_weighs_every_tree_in_both_modes(setup, tmp_path):
     first = {(c["num_draft_tokens"], c["tree_nodes"], c["tree_topk"]) for c in trees if c["lookup_first"] is True}
     assert both and both == first and len(trees) == 2 * len(both)
     assert report["overall"]["outputs_match_baseline"] == 1.0
+
+
+def test_plans_keep_the_targets_prefills_and_the_evaluation_decodes_without(setup, tmp_path, monkeypatch):
+    """A plan's whole steps and forward curves all start from the same probe: the target keeps its
+    prefills while planning (`CachedLM.keeping_prefills`), and only then; the evaluation's decodes,
+    whose prefills are part of what a run measures, compute theirs."""
+    from drafttrain.evaluation import plan as planner
+    from drafttrain.evaluation import run
+
+    kept = {"plan": [], "evaluation": []}
+
+    def spy(where, module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            target = args[0].target if where == "evaluation" else args[1].target_lm
+            kept[where].append(target.kept is not None)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    spy("plan", planner, "tree_step_seconds")
+    spy("evaluation", run, "timed_generate")
+    assert main(argv(setup, tmp_path / "o", "--tree-nodes", "auto", "--calibration-prompts", setup["calibration"],
+                     drafter=("--heads", setup["heads"]))) == 0
+    assert kept["plan"] and all(kept["plan"])
+    assert kept["evaluation"] and not any(kept["evaluation"])

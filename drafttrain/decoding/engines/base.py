@@ -10,6 +10,8 @@ CUDA). Decoders never see which one they drive.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...errors import UserError
@@ -92,6 +94,13 @@ class CachedLM:
         path has depths 0, 1, 2, ..., exactly the positions of sequential decoding).
         """
         raise NotImplementedError
+
+    def keeping_prefills(self):
+        """A context in which a prefill of tokens prefilled before (from an empty cache, with the same
+        hidden layers) is the kept one's copy, not computed again: a plan times many short decodes
+        and forward curves after the same probe, each after its prefill (`engines.eager`). An engine
+        whose prefill is cheap (the static engine's compiled chunks, on a GPU) keeps none."""
+        return contextlib.nullcontext()
 
     def warmup(self, sizes, *, hidden_layers: tuple[int, ...] = (), keep_width: int = 0, verdict=None,
                tree_depth: int = -1) -> float:
