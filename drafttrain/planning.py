@@ -313,6 +313,11 @@ class TreeCosts:
     warnings: tuple[str, ...] = field(default=())
     exact: dict[tuple[int, int, int], float] = field(default_factory=dict)
 
+    @property
+    def loop(self) -> float:
+        """A plain step's seconds beyond its one-token forward (sampling, bookkeeping, the sync)."""
+        return max(0.0, self.plain - self.verify[0])
+
     def covers(self, nodes: float) -> bool:
         """Whether the measured curve reaches a verification of `nodes` nodes."""
         return nodes <= self.sizes[-1]
@@ -388,7 +393,7 @@ def beyond_verification(table: TreeTable, costs: TreeCosts, topk: int, depth: in
     per size) prices a small tree's verification no dearer than its own step finds it, relative to
     a larger tree's (Gemma-3 on 2 cores: a 4-node tree verified 12 ms above its curve, a 37-node one
     5 ms below), so a larger tree's spend bounds a smaller one's and not the other way round."""
-    least = max(0.0, costs.plain - costs.verify[0])
+    least = costs.loop
     for (k, d, n), seconds in costs.exact.items():
         if k <= topk and d <= depth and n >= nodes:
             least = max(least, seconds - costs.verify_seconds(n + extra_nodes(table, k, d)))
@@ -447,7 +452,7 @@ def hybrid_floor(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) 
     extra = table[key][1]
     if not extra:
         return 0.0
-    return costs.verify_seconds(key[2] + extra) + max(0.0, costs.plain - costs.verify[0])
+    return costs.verify_seconds(key[2] + extra) + costs.loop
 
 
 FirstTable = dict[tuple[int, int, int], tuple[float, float, float]]  # (top-k, depth, nodes) -> (tokens a step,
@@ -481,7 +486,7 @@ def lookup_first_seconds(table: TreeTable, first: FirstTable, costs: TreeCosts,
     measured 1.63x; the step as measured is the most a step without them costs."""
     model, settled = tree_seconds(table, costs, key, beside=False)
     _, share, lookup_nodes = first[key]
-    lookup = costs.verify_seconds(1 + lookup_nodes) + max(0.0, costs.plain - costs.verify[0])
+    lookup = costs.verify_seconds(1 + lookup_nodes) + costs.loop
     return share * lookup + (1 - share) * model, settled
 
 
