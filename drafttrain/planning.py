@@ -27,7 +27,10 @@ the trees the decision needs (`plan_tree_measured`): a tree not measured is pric
 can cost (its verification, from the target's measured cost of verifying n tree nodes, plus what
 a measured tree no wider and no deeper spent beyond its own), the leader is measured, and when the
 leader is a measured tree no other can beat it. The tree a plan chooses is always priced by its
-own measured step.
+own measured step. A hybrid (a model's tree and a lookup's chain verified together) is priced as
+its model's measured step with the lookup's nodes verified beside it, as many as each recorded
+step verified (`lookup_beside`, `tree_seconds`): the probe's short decode finds as many as it
+happens to.
 
 Acceptance must come from other prompts than the ones being timed (the drafter's recorded
 held-out acceptance, or a calibration file), or the plan would be fitted to the test; and from as
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 
@@ -305,13 +309,15 @@ class TreeCosts:
     """Measured seconds for tree plans. `verify[i]`: one target forward of `sizes[i]` tree nodes
     after a cached prefix (the sizes measured so far: the curve grows as a search needs it);
     `plain`: a plain decoding step; `exact[(topk, depth, nodes)]`: a whole decoding step (draft,
-    verification, bookkeeping) of that tree, measured."""
+    verification, bookkeeping) of that tree, measured, its model's alone for a hybrid (`tree_seconds`
+    adds the lookup's nodes); `lookup[k]`: a hybrid's host time looking up k tokens."""
 
     sizes: tuple[int, ...]
     verify: tuple[float, ...]
     plain: float
     warnings: tuple[str, ...] = field(default=())
     exact: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    lookup: tuple[float, ...] = field(default=())
 
     @property
     def loop(self) -> float:
@@ -337,11 +343,16 @@ class TreeCosts:
         `noisy`'s own tolerance, but grows with the nodes)."""
         return self.verify_seconds(nodes) if self.covers(nodes) else BEYOND_CURVE * self.verify[-1]
 
+    def lookup_seconds(self, depth: int) -> float:
+        """A hybrid's host time looking up a chain `depth` deep (0 without a lookup measured)."""
+        return self.lookup[min(depth, len(self.lookup) - 1)] if self.lookup else 0.0
+
     def as_dict(self) -> dict:
         measured = [{"tree_topk": k, "num_draft_tokens": d, "tree_nodes": n, "seconds": s}  # whole steps timed
                     for (k, d, n), s in sorted(self.exact.items())]
         return {"verify_sizes": list(self.sizes), "verify_seconds": list(self.verify),
-                "step_seconds": measured, "plain_step_seconds": self.plain}
+                "step_seconds": measured, "plain_step_seconds": self.plain,
+                **({"lookup_seconds": list(self.lookup)} if self.lookup else {})}
 
 
 NODE_BUDGETS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -353,37 +364,53 @@ def tree_node_limit(topk: int, depth: int) -> int:
     return 1 + topk + (depth - 1) * topk * topk
 
 
-def lookup_share(steps: list[TreeStep], depth: int) -> float:
-    """The share of a hybrid's n-gram nodes, recorded with the deepest tree, that a tree `depth`
-    deep verifies: its n-gram chain is cut to the depth."""
-    recorded = sum(len(s.lookup) for s in steps)
-    return sum(min(len(s.lookup), depth) for s in steps) / recorded if recorded else 0.0
+Beside = tuple[tuple[int, float], ...]  # a hybrid's lookup nodes verified beside its tree: (nodes, share of steps)
 
 
-TreeTable = dict[tuple[int, int, int], tuple[float, float]]  # (top-k, depth, nodes) -> (tokens a step, extra nodes)
+def lookup_beside(steps: list[TreeStep], depth: int) -> Beside:
+    """How many n-gram nodes a hybrid's steps verify beside a tree `depth` deep, as (nodes, share of
+    the steps) pairs, read off the steps recorded with the deepest tree: its chain is cut to the
+    depth, and every node of it is verified (`decoding.hybrid.hang_lookup` appends the whole chain,
+    twins of the model's nodes included). () for a tree with no lookup beside it."""
+    if not any(s.lookup for s in steps):
+        return ()
+    counts = Counter(min(len(s.lookup), depth) for s in steps)
+    return tuple((n, c / len(steps)) for n, c in sorted(counts.items()))
 
 
-def tree_table(steps: dict[int, list[TreeStep]], depths: list[int], nodes: list[int],
-               extra_tokens: dict[int, float] | None = None, node_limit=tree_node_limit,
+TreeTable = dict[tuple[int, int, int], tuple[float, Beside]]  # (top-k, depth, nodes) -> (tokens a step, lookup beside)
+
+
+def tree_table(steps: dict[int, list[TreeStep]], depths: list[int], nodes: list[int], node_limit=tree_node_limit,
                depth_capped: bool = False) -> TreeTable:
     """Every tree a plan weighs, (top-k, depth, nodes), with its expected tokens a step and a
-    hybrid's n-gram nodes verified beside it, read off the recorded steps of the largest tree of
-    each top-k (`steps[topk]`). Node budgets beyond what `node_limit(topk, depth)` can fill are cut
-    to it (EAGLE-2's expansion, or a static tree's nodes that deep); `extra_tokens[topk]`: a hybrid's
-    n-gram nodes per step beside the deepest tree, cut to each depth (`lookup_share`: charged at the
-    deepest tree's count, a depth-1 step of Gemma-3's hybrid was priced below a plain step, planned
-    1.82x, measured 1.28x). `depth_capped`: a tree of n nodes is at most n - 1 deep (EAGLE-2's dynamic
-    tree without a lookup), so a deeper setting of it is the same tree, weighed once (at n - 1 deep,
-    where that depth is weighed)."""
+    hybrid's n-gram nodes verified beside it (`lookup_beside`), read off the recorded steps of the
+    largest tree of each top-k (`steps[topk]`). Node budgets beyond what `node_limit(topk, depth)`
+    can fill are cut to it (EAGLE-2's expansion, or a static tree's nodes that deep). `depth_capped`:
+    a tree of n nodes is at most n - 1 deep (EAGLE-2's dynamic tree without a lookup), so a deeper
+    setting of it is the same tree, weighed once (at n - 1 deep, where that depth is weighed)."""
     table = {}
     for topk, recorded in sorted(steps.items()):
         for depth in depths:
-            extra = (extra_tokens or {}).get(topk, 0.0) * lookup_share(recorded, depth)
+            beside = lookup_beside(recorded, depth)
             for n in sorted({min(n, node_limit(topk, depth)) for n in nodes}):
                 if depth_capped and depth > n - 1 and n - 1 in depths:
                     continue
-                table[(topk, depth, n)] = (tree_expected_tokens(recorded, depth, n), extra)
+                table[(topk, depth, n)] = (tree_expected_tokens(recorded, depth, n), beside)
     return table
+
+
+def verified_nodes(table: TreeTable, key: tuple[int, int, int]) -> int:
+    """The most nodes a step of this tree verifies: its own and its lookup's longest chain beside."""
+    return key[2] + max((n for n, _ in table[key][1]), default=0)
+
+
+def beside_seconds(costs: TreeCosts, nodes: int, beside: Beside, least: bool = False) -> float:
+    """A step's mean verification of its `nodes` tree nodes and the lookup's nodes beside them, over
+    the calibration's steps: the curve at each step's count, not at their mean (Gemma-3's curve on 2
+    cores is lumpy: 4 nodes 81 ms, 5 nodes 111 ms). `least`: `least_verify_seconds`."""
+    curve = costs.least_verify_seconds if least else costs.verify_seconds
+    return sum(share * curve(nodes + n) for n, share in beside) if beside else curve(nodes)
 
 
 def beyond_verification(table: TreeTable, costs: TreeCosts, topk: int, depth: int, nodes: int) -> float:
@@ -396,98 +423,83 @@ def beyond_verification(table: TreeTable, costs: TreeCosts, topk: int, depth: in
     least = costs.loop
     for (k, d, n), seconds in costs.exact.items():
         if k <= topk and d <= depth and n >= nodes:
-            least = max(least, seconds - costs.verify_seconds(n + extra_nodes(table, k, d)))
+            least = max(least, seconds - costs.verify_seconds(n))
     return least
 
 
-def extra_nodes(table: TreeTable, topk: int, depth: int) -> float:
-    """A hybrid's n-gram nodes a step beside a tree of this top-k and depth (`tree_table`: they
-    depend on the depth, not on the tree's nodes); 0 for a tree the table does not hold."""
-    return next((extra for (k, d, _), (_, extra) in table.items() if (k, d) == (topk, depth)), 0.0)
-
-
-def wider_sibling_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> float | None:
-    """The most a step of this tree can cost, from a measured step of the same depth and nodes at a
-    wider top-k (the narrowest measured), moved along the curve by the two trees' n-gram nodes (a
-    hybrid's differ by top-k); None where none is measured. Both verify the same nodes with the same
-    layers; the wider drafts more candidates a level, so it costs no less (Gemma-3 on 2 cores, 4
-    nodes: 2 deep top-2 51.4 ms, top-4 53.0, top-8 54.8; 3 deep top-1 53.9, top-2 54.0, top-4 54.4).
-    A plan leading at this price leads at its own: measuring it whole could not change the decision."""
+def wider_sibling_seconds(costs: TreeCosts, key: tuple[int, int, int]) -> float | None:
+    """The most a step of this tree's model can cost, from a measured step of the same depth and nodes
+    at a wider top-k (the narrowest measured); None where none is measured. Both verify the same
+    nodes with the same layers; the wider drafts more candidates a level, so it costs no less
+    (Gemma-3 on 2 cores, 4 nodes: 2 deep top-2 51.4 ms, top-4 53.0, top-8 54.8; 3 deep top-1 53.9,
+    top-2 54.0, top-4 54.4). A plan leading at this price leads at its own: measuring it whole could
+    not change the decision."""
     topk, depth, nodes = key
     wider = [(k, seconds) for (k, d, n), seconds in costs.exact.items() if (d, n) == (depth, nodes) and k > topk]
-    if not wider:
-        return None
-    k, seconds = min(wider)
-    beyond = seconds - costs.verify_seconds(nodes + extra_nodes(table, k, depth))
-    return beyond + costs.verify_seconds(nodes + table[key][1])
+    return min(wider)[1] if wider else None
 
 
-def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int],
-                 beside: bool = True) -> tuple[float, bool]:
-    """A tree's step seconds, and whether they are settled by a measurement: its own measured step,
-    else the most it can cost by a measured wider sibling (`wider_sibling_seconds`); else the least
-    it can cost, never above the truth: its verification (the curve at its nodes and a hybrid's
-    n-gram nodes) plus `beyond_verification`. A hybrid's step verifying both (`beside`) costs at
-    least its verification with the calibration's n-gram nodes and a plain step's loop
-    (`hybrid_floor`), whatever its probe's short decode found; `beside` False: the model's tree
-    alone (a lookup-first step where the lookup found nothing), as measured."""
+def model_step_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
+    """The step of this tree's model alone, and whether a measurement settles it: its own measured
+    step, else the most it can cost by a measured wider sibling (`wider_sibling_seconds`); else the
+    least it can cost, never above the truth: its verification plus `beyond_verification`."""
     if key in costs.exact:
-        seconds = costs.exact[key]
-    else:
-        seconds = wider_sibling_seconds(table, costs, key)
-        if seconds is None:
-            topk, depth, nodes = key
-            verify = costs.least_verify_seconds(nodes + table[key][1])
-            return verify + beyond_verification(table, costs, topk, depth, nodes), False
-    return (max(seconds, hybrid_floor(table, costs, key)) if beside else seconds), True
+        return costs.exact[key], True
+    seconds = wider_sibling_seconds(costs, key)
+    if seconds is not None:
+        return seconds, True
+    topk, depth, nodes = key
+    return costs.least_verify_seconds(nodes) + beyond_verification(table, costs, topk, depth, nodes), False
 
 
-def hybrid_floor(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> float:
-    """The least a hybrid's step verifying both branches costs (0 for a tree without n-gram nodes):
-    the curve at its tree's nodes and the calibration's n-gram nodes beside it, and a plain step's
-    loop. Its whole step is timed over a short decode of the probe prompt, whose lookup may find
-    fewer continuations than the calibration's steps did: Gemma-3's EAGLE-3 + n-gram (2 cores,
-    2026-11-28) timed a 2-node tree's step at 93 ms there and measured 139 ms a step in the run,
-    which verified 3.4 n-gram nodes a step beside it (planned 2.28x, measured 1.42x)."""
-    extra = table[key][1]
-    if not extra:
-        return 0.0
-    return costs.verify_seconds(key[2] + extra) + costs.loop
+def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
+    """A tree's step seconds, and whether a measurement settles them (`model_step_seconds`). A
+    hybrid's step verifying both is its model's step with the verification of its own nodes
+    replaced by that of its own and the calibration's lookup nodes (`beside_seconds`), plus the
+    lookup's host time. Its whole step timed over a short decode of the probe prompt priced the
+    lookup's nodes as that decode found them, fewer than the calibration's and the run's: Gemma-3's
+    EAGLE-3 + n-gram (2 cores, 2026-11-28) planned 2.08x, measured 1.51x, at 95 ms a step timed on
+    the probe for 143 ms a step in the run."""
+    model, settled = model_step_seconds(table, costs, key)
+    beside = table[key][1]
+    if not beside:
+        return model, settled
+    _, depth, nodes = key
+    own = costs.verify_seconds(nodes) if settled else costs.least_verify_seconds(nodes)
+    return (model - own + beside_seconds(costs, nodes, beside, least=not settled) + costs.lookup_seconds(depth),
+            settled)
 
 
-FirstTable = dict[tuple[int, int, int], tuple[float, float, float]]  # (top-k, depth, nodes) -> (tokens a step,
-                                                                     # lookup share, its nodes a lookup step)
+FirstTable = dict[tuple[int, int, int], float]  # (top-k, depth, nodes) -> tokens a step, lookup first
 
 
 def lookup_first_table(steps: dict[int, list[TreeStep]], table: TreeTable) -> FirstTable:
     """Every tree of `table` as a lookup-first hybrid's model (`decoding.hybrid`: the lookup's chain
     alone where it finds one, the model's tree where it finds none), read off the same recorded steps
-    of a hybrid verifying both: its tokens a step, the share of steps the lookup proposes, and the
-    lookup's nodes in those steps, cut to the depth. The steps start where the recorded decode's did,
+    of a hybrid verifying both: its tokens a step. The steps start where the recorded decode's did,
     the approximation every smaller tree read off the largest one makes."""
     out = {}
     for topk, depth, nodes in table:
         recorded = steps.get(topk) or []
         if not recorded:
             continue
-        found = [s for s in recorded if s.lookup]
         accepted = sum(lookup_accepted(s, depth) if s.lookup else accepted_within(s, depth, nodes) for s in recorded)
-        out[(topk, depth, nodes)] = (1.0 + accepted / len(recorded), len(found) / len(recorded),
-                                     sum(min(len(s.lookup), depth) for s in found) / len(found) if found else 0.0)
+        out[(topk, depth, nodes)] = 1.0 + accepted / len(recorded)
     return out
 
 
-def lookup_first_seconds(table: TreeTable, first: FirstTable, costs: TreeCosts,
-                         key: tuple[int, int, int]) -> tuple[float, bool]:
+def lookup_first_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
     """A lookup-first hybrid's step seconds with this tree, and whether a measurement settles them:
-    where the lookup proposes, the verification of its chain and a plain step's loop; elsewhere the
-    tree's step as measured beside the lookup (`tree_seconds`), whose lookup nodes are the probe's, not
-    the calibration's: taking the calibration's out priced Gemma-3's EAGLE-3 + n-gram at 1.90x for a
-    measured 1.63x; the step as measured is the most a step without them costs."""
-    model, settled = tree_seconds(table, costs, key, beside=False)
-    _, share, lookup_nodes = first[key]
-    lookup = costs.verify_seconds(1 + lookup_nodes) + costs.loop
-    return share * lookup + (1 - share) * model, settled
+    where the lookup proposes (the calibration's share of steps, `lookup_beside`), the verification
+    of its chain and a plain step's loop; elsewhere its model's step alone (`model_step_seconds`);
+    and the lookup's host time every step. Priced at the tree's step timed beside the lookup on the
+    probe, the model's steps cost what the probe's lookup nodes did: Gemma-3's EAGLE-3 + n-gram
+    (2 cores, 2026-11-28) planned 1.52x, measured 1.82x."""
+    model, settled = model_step_seconds(table, costs, key)
+    found = [(n, share) for n, share in table[key][1] if n]
+    share = sum(s for _, s in found)
+    lookup = sum(s * costs.least_verify_seconds(1 + n) for n, s in found) / share + costs.loop if share else 0.0
+    return share * lookup + (1 - share) * model + costs.lookup_seconds(key[1]), settled
 
 
 def plan_tree(table: TreeTable, costs: TreeCosts, measured_only: bool = False, first: FirstTable | None = None,
@@ -507,9 +519,9 @@ def plan_tree(table: TreeTable, costs: TreeCosts, measured_only: bool = False, f
                 candidates.append(Candidate(depth, expected, expected * costs.plain / seconds, nodes, topk,
                                             measured=measured, lookup_first=hybrid))
         if first is not None and True in modes and key in first:
-            seconds, measured = lookup_first_seconds(table, first, costs, key)
+            seconds, measured = lookup_first_seconds(table, costs, key)
             if measured or not measured_only:
-                tokens = first[key][0]
+                tokens = first[key]
                 candidates.append(Candidate(depth, tokens, tokens * costs.plain / seconds, nodes, topk,
                                             measured=measured, lookup_first=True))
     return best_plan(candidates)
@@ -538,15 +550,15 @@ def plan_tree_measured(table: TreeTable, costs: TreeCosts, measure, extend=None,
     apart), the best measured tree. A small tree priced from the deepest tree's measured step moved down
     the curve was off by half on Gemma-3's lumpy curve (a 4-node tree planned 1.83x, measured 1.17x): a
     chosen tree is always priced by a step measured whole, its own or a wider sibling's of its depth and
-    nodes. A hybrid's trees are weighed in `modes` (`plan_tree`); a lookup-first tree is settled by the
-    same measured step as the tree beside the lookup."""
+    nodes. A hybrid's trees are weighed in `modes` (`plan_tree`), each settled by its model's measured
+    step alone (`measure` times the model without the lookup: `tree_seconds` prices the lookup's nodes)."""
     measured = 0
     while True:
         plan = plan_tree(table, costs, first=first, modes=modes)
         key = (plan.tree_topk, plan.num_draft_tokens, plan.tree_nodes)
         if plan.num_draft_tokens == 0 or tree_seconds(table, costs, key)[1]:
             return plan, costs
-        if extend is not None and not costs.covers(plan.tree_nodes + table[key][1]):
+        if extend is not None and not costs.covers(verified_nodes(table, key)):
             wider = extend(costs)
             if wider is not None:
                 costs = wider

@@ -11,7 +11,7 @@ import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
 from drafttrain.planning import (Costs, HybridStep, TreeCosts, TreeStep, accepted_within, enough_prompts, expected_tokens,
-                                 interpolate, lookup_first_seconds, lookup_first_table, lookup_share, noisy, plan_chain,
+                                 interpolate, lookup_beside, lookup_first_seconds, lookup_first_table, noisy, plan_chain,
                                  plan_hybrid_chain, plan_tree, plan_tree_measured, step_seconds,
                                  tokens_per_step, tree_expected_tokens, tree_node_limit, tree_seconds, tree_table,
                                  walk_chain, walked_rates)
@@ -235,15 +235,20 @@ def true_costs(verify, draft, dearer_small=0.0):
     return lambda k, d, n: 1.0 + draft * d + curve.verify_seconds(n) - 1.0 + (dearer_small if n <= 4 else 0.0)
 
 
-def fastest_tree(steps, depths, budgets, seconds):
-    """(speedup, depth, nodes, top-k) of the fastest tree under `seconds(k, d, n)`, decoded step by
-    step with the decoder's own verdict, or the target alone."""
+def fastest_tree(steps, depths, budgets, seconds, verify):
+    """(speedup, depth, nodes, top-k) of the fastest tree under `seconds(k, d, n)` (its model's step
+    alone), decoded step by step with the decoder's own verdict, each step verifying its n-gram chain
+    cut to the depth beside the tree (the curve `verify` at SIZES at its own node count), or the
+    target alone."""
+    curve = TreeCosts(SIZES, verify, 1.0)
     best = (1.0, 0, None, None)
     for k, recorded in steps.items():
         for d in depths:
             for n in budgets:
                 n = min(n, tree_node_limit(k, d))
-                speed = sum(1 + verified_length(s, d, n) for s in recorded) / (len(recorded) * seconds(k, d, n))
+                spent = sum(seconds(k, d, n) - curve.verify_seconds(n) + curve.verify_seconds(n + len(s.lookup[:d]))
+                            for s in recorded)
+                speed = sum(1 + verified_length(s, d, n) for s in recorded) / spent
                 if speed > best[0] + 1e-9:
                     best = (speed, d, n, k)
     return best
@@ -275,7 +280,7 @@ def test_the_tree_plan_is_the_best_setting_of_a_brute_force_search():
                           ((1.0, 3.0, 5.0, 9.0, 17.0, 25.0), 0.9)):
         seconds = true_costs(verify, draft)
         plan, measured = searched(steps, depths, budgets, seconds, verify)
-        best = fastest_tree(steps, depths, budgets, seconds)
+        best = fastest_tree(steps, depths, budgets, seconds, verify)
         assert plan.planned_speedup == pytest.approx(best[0])
         assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk) == best[1:]
         assert len(measured) == len(set(measured)) < trees  # what the decision needed, not every tree
@@ -285,14 +290,15 @@ def test_the_tree_plan_is_the_best_setting_of_a_brute_force_search():
 def test_a_tree_plan_is_priced_by_its_own_measured_step():
     """Small trees cost more than the curve says (Gemma-3 on 2 cores: a 4-node tree planned 1.83x,
     measured 1.17x): the leader is measured whole until the leader is a measured tree, and the plan
-    is what a search over every tree's true cost plans, at that cost."""
+    is what a search over every tree's true cost plans, at that cost. The model's trees alone: no
+    n-gram chain beside them."""
     rng = random.Random(1)
-    steps = {k: [random_step(rng, size=10 * k) for _ in range(60)] for k in (1, 4)}
+    steps = {k: [dataclasses.replace(random_step(rng, size=10 * k), lookup=()) for _ in range(60)] for k in (1, 4)}
     depths, budgets = [1, 2, 3, 4], [2, 4, 8, 16]
     verify = (1.0, 1.02, 1.05, 1.6, 2.4, 3.2)
     seconds = true_costs(verify, 0.05, dearer_small=0.5)
     by_curve = plan_tree(tree_table(steps, depths, budgets), TreeCosts(SIZES, verify, 1.0))
-    truth = fastest_tree(steps, depths, budgets, seconds)
+    truth = fastest_tree(steps, depths, budgets, seconds, verify)
     assert by_curve.tree_nodes <= 4 and by_curve.planned_speedup > 1.15 * truth[0]  # the curve alone misplans
     plan, measured = searched(steps, depths, budgets, seconds, verify)
     assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk) == truth[1:]
@@ -310,7 +316,7 @@ def test_after_its_measurement_limit_the_plan_is_the_best_measured_tree():
     plan, measured = searched(steps, [1, 2, 3, 4], [2, 4, 8, 16], seconds, verify, limit=1)
     assert len(measured) == 1
     k, d, n = measured[0]
-    only = fastest_tree({k: steps[k]}, [d], [n], seconds)
+    only = fastest_tree({k: steps[k]}, [d], [n], seconds, verify)
     assert (plan.num_draft_tokens, plan.tree_nodes, plan.tree_topk, plan.planned_speedup) == \
         ((only[1], only[2], only[3], pytest.approx(only[0])) if only[1] else (0, None, None, 1.0))
 
@@ -380,93 +386,98 @@ def test_a_hybrid_step_accepts_the_longer_of_its_tree_and_its_ngram_chain():
 
 
 def test_a_hybrids_ngram_nodes_are_charged_cut_to_each_depth():
-    """The hybrid's n-gram nodes per step are recorded with the deepest tree (chains of 4 here, 4 a
-    step); a depth-1 tree verifies one of them. A step of 2 model nodes is the measured 3-node one
-    moved along the verification curve at the step's own n-gram count: from 4 to 3 nodes (free
-    here), not from 7 to 6 (dear), which priced Gemma-3's depth-1 hybrid step below a plain step
-    (planned 1.82x, measured 1.28x)."""
+    """The hybrid's n-gram chains are recorded with the deepest tree (4 nodes here); a depth-1 tree
+    verifies one of them. A step of 2 model nodes is its model's measured step alone moved along the
+    verification curve by the step's own n-gram count: from 2 to 3 nodes, not to 6 (dear), which
+    priced Gemma-3's depth-1 hybrid step below a plain step (planned 1.82x, measured 1.28x)."""
     step = TreeStep(tokens=(5, 6), parents=(-1, -1), depths=(1, 1), continuation=(5, 9, 9, 9, 1), lookup=(5, 9, 9, 9))
-    costs = TreeCosts((1, 2, 3, 4, 5, 6, 7), (1.0, 1.0, 2.0, 2.0, 3.0, 5.0, 7.0), 1.0, exact={(2, 1, 3): 2.5})
-    table = tree_table({2: [step]}, [1], [2], extra_tokens={2: 4.0})
+    fresh = TreeStep(step.tokens, step.parents, step.depths, step.continuation)
+    assert lookup_beside([step], 1) == ((1, 1.0),) and lookup_beside([step], 4) == ((4, 1.0),)
+    assert lookup_beside([step, fresh], 3) == ((0, 0.5), (3, 0.5)) and lookup_beside([fresh], 3) == ()
+    costs = TreeCosts((1, 2, 3, 4, 5, 6, 7), (1.0, 1.0, 2.0, 2.0, 3.0, 5.0, 7.0), 1.0, exact={(2, 1, 2): 1.5})
+    table = tree_table({2: [step]}, [1], [2])
     plan = plan_tree(table, costs)
     depth1 = next(c for c in plan.candidates if c.num_draft_tokens == 1)
-    assert depth1.tree_nodes == 2 and table[(2, 1, 2)][1] == pytest.approx(1.0)
-    assert depth1.planned_speedup == pytest.approx(tree_expected_tokens([step], 1, 2) * 1.0 / 2.5)
+    assert depth1.tree_nodes == 2 and table[(2, 1, 2)][1] == ((1, 1.0),)
+    assert depth1.planned_speedup == pytest.approx(tree_expected_tokens([step], 1, 2) * 1.0 / (1.5 - 1.0 + 2.0))
     assert plan.num_draft_tokens == 0  # 2 tokens a step for 2.5 plain steps: the target alone wins
-    assert lookup_share([step], 1) == pytest.approx(0.25) and lookup_share([step], 4) == 1.0
 
 
 def test_a_lookup_first_tree_hybrid_is_read_off_the_steps_that_verified_both():
     """A hybrid's recorded steps (the model's tree and the lookup's chain verified together) read as a
     lookup-first hybrid: where the lookup proposed, its own acceptance cut to the depth (even where the
     model's branch went further); elsewhere the model's tree. Each priced by hand: the lookup's chain
-    and a plain step's loop, or the tree's step as measured beside the lookup. On a curve where nodes
-    cost, lookup first wins; on a flat one, both verified (which accepts more)."""
+    and a plain step's loop, or the model's step alone as measured. On a curve where nodes cost,
+    lookup first wins; on a flat one, both verified (which accepts more)."""
     copy = TreeStep(tokens=(5, 6), parents=(-1, 0), depths=(1, 2), continuation=(5, 6, 9, 1), lookup=(5, 6, 9))
     model_wins = TreeStep(tokens=(7, 8), parents=(-1, 0), depths=(1, 2), continuation=(7, 8, 3), lookup=(7, 2, 2))
     fresh = TreeStep(tokens=(4, 3), parents=(-1, 0), depths=(1, 2), continuation=(4, 1))
     steps = {2: [copy, model_wins, fresh]}
-    table = tree_table(steps, [2], [3], extra_tokens={2: 2.0})
+    table = tree_table(steps, [2], [3])
     first = lookup_first_table(steps, table)
-    tokens, share, lookup_nodes = first[(2, 2, 3)]
-    assert tokens == pytest.approx(1 + (2 + 1 + 1) / 3)  # the lookup's 2, its 1 where the model took 2, the model's 1
-    assert table[(2, 2, 3)][0] == pytest.approx(1 + (2 + 2 + 1) / 3)  # both verified
-    assert (share, lookup_nodes) == (pytest.approx(2 / 3), 2.0)
+    assert first[(2, 2, 3)] == pytest.approx(1 + (2 + 1 + 1) / 3)  # the lookup's 2, its 1 where the model took 2, the model's 1
+    assert table[(2, 2, 3)] == (pytest.approx(1 + (2 + 2 + 1) / 3), ((0, pytest.approx(1 / 3)), (2, pytest.approx(2 / 3))))
     for curve, winner in (((1.0, 1.2, 1.4, 1.6, 1.8), True), ((1.0, 1.0, 1.0, 1.0, 1.0), False)):
-        costs = TreeCosts((1, 2, 3, 4, 5), curve, 1.1, exact={(2, 2, 3): curve[4] + 0.3})
+        model = curve[2] + 0.3  # the model's step alone: its 3 nodes and 0.3 beyond
+        costs = TreeCosts((1, 2, 3, 4, 5), curve, 1.1, exact={(2, 2, 3): model})
         lookup = curve[2] + 0.1  # 1 + 2 nodes, and the loop beyond a plain step's forward
-        model = curve[4] + 0.3  # the tree's step as measured beside the lookup
-        assert lookup_first_seconds(table, first, costs, (2, 2, 3)) == (pytest.approx(share * lookup + (1 - share) * model), True)
+        alone_seconds = 2 / 3 * lookup + 1 / 3 * model
+        both_seconds = 0.3 + curve[2] / 3 + 2 / 3 * curve[4]  # 3 nodes, and 2 more in two steps of three
+        assert lookup_first_seconds(table, costs, (2, 2, 3)) == (pytest.approx(alone_seconds), True)
+        assert tree_seconds(table, costs, (2, 2, 3)) == (pytest.approx(both_seconds), True)
         plan = plan_tree(table, costs, first=first, modes=(False, True))
         both, alone = (c for c in plan.candidates if c.num_draft_tokens == 2)
         assert (both.lookup_first, alone.lookup_first) == (False, True)
-        assert alone.planned_speedup == pytest.approx(tokens * 1.1 / (share * lookup + (1 - share) * model))
+        assert alone.planned_speedup == pytest.approx(first[(2, 2, 3)] * 1.1 / alone_seconds)
+        assert both.planned_speedup == pytest.approx(table[(2, 2, 3)][0] * 1.1 / both_seconds)
         assert plan.lookup_first is winner
     assert {c.lookup_first for c in plan_tree(table, costs, first=first, modes=(True,)).candidates} == {None, True}
 
 
 def test_a_tree_step_between_measured_sizes_is_interpolated():
     costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), 1.0, exact={(4, 2, 8): 3.0})
-    table = {(4, 2, 4): (2.0, 0.0), (4, 2, 8): (2.5, 0.0)}
+    table = {(4, 2, 4): (2.0, ()), (4, 2, 8): (2.5, ())}
     assert costs.verify_seconds(3) == pytest.approx(1.4)
     assert costs.verify_seconds(100) == pytest.approx(2.4) and costs.least_verify_seconds(100) == pytest.approx(1.92)
     assert tree_seconds(table, costs, (4, 2, 8)) == (3.0, True)
     assert tree_seconds(table, costs, (4, 2, 4)) == (pytest.approx(1.6 + (3.0 - 2.4)), False)
-    hybrid = {(4, 2, 4): (2.0, 1.0), (4, 2, 8): (2.5, 1.0)}  # a node of n-gram lookup beside either
+    hybrid = {(4, 2, 4): (2.0, ((1, 1.0),)), (4, 2, 8): (2.5, ((1, 1.0),))}  # a node of n-gram lookup beside either
     assert tree_seconds(hybrid, costs, (4, 2, 4))[0] == pytest.approx(1.8 + (3.0 - 2.4))
 
 
-def test_a_hybrid_step_verifying_both_costs_at_least_its_calibrated_lookup_nodes():
-    """A hybrid's whole step is timed over a short decode of the probe, whose lookup may find fewer
-    continuations than calibration did (Gemma-3's EAGLE-3 + n-gram: 93 ms at the probe, 139 ms a step
-    in the run). Verifying both, it costs at least the curve at its tree's nodes and the calibration's
-    n-gram nodes, plus a plain step's loop; the model's tree alone (a lookup-first step where the
-    lookup found nothing) is priced as measured, and a tree without n-gram nodes is unchanged."""
-    costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), 1.1, exact={(1, 4, 2): 1.3})
-    hybrid = {(1, 4, 2): (2.8, 3.0)}  # 3 n-gram nodes a step beside a 2-node tree
-    floor = costs.verify_seconds(2 + 3) + (1.1 - 1.0)
-    assert floor == pytest.approx(1.9) and tree_seconds(hybrid, costs, (1, 4, 2)) == (pytest.approx(floor), True)
-    assert tree_seconds(hybrid, costs, (1, 4, 2), beside=False) == (1.3, True)
-    assert tree_seconds({(1, 4, 2): (2.8, 0.0)}, costs, (1, 4, 2)) == (1.3, True)
-    slow = TreeCosts(costs.sizes, costs.verify, costs.plain, exact={(1, 4, 2): 2.5})  # the probe found as many
-    assert tree_seconds(hybrid, slow, (1, 4, 2)) == (2.5, True)
-    both = next(c for c in plan_tree(hybrid, costs).candidates if c.num_draft_tokens == 4)
-    assert both.planned_speedup == pytest.approx(2.8 * 1.1 / floor)
-    first = {(1, 4, 2): (2.5, 0.5, 3.0)}  # lookup first: half the steps the lookup's 3 nodes alone
-    lookup = costs.verify_seconds(1 + 3) + (1.1 - 1.0)
-    assert lookup_first_seconds(hybrid, first, costs, (1, 4, 2)) == (pytest.approx(0.5 * lookup + 0.5 * 1.3), True)
+def test_a_hybrids_step_is_its_models_alone_with_the_calibrations_lookup_nodes_on_the_curve():
+    """A hybrid's whole step timed over a short decode of the probe counted the lookup nodes that
+    decode found (Gemma-3's EAGLE-3 + n-gram: 95 ms a step at the probe, 143 ms in the run). Its
+    model's step is timed alone and each recorded step's lookup nodes verified beside its tree: the
+    curve at each count, not at their mean (a lumpy curve: 4 nodes cheaper than 3), plus the
+    lookup's host time; lookup first, the lookup's chain alone in the steps it found one."""
+    curve = (1.0, 1.2, 2.0, 1.6, 2.2, 2.4, 2.6)  # 1 .. 7 nodes; 3 dearer than 4
+    costs = TreeCosts((1, 2, 3, 4, 5, 6, 7), curve, 1.1, exact={(1, 4, 2): 1.5}, lookup=(0.0, 0.01, 0.02, 0.03, 0.04))
+    beside = ((0, 0.5), (4, 0.5))  # half the steps verify 4 n-gram nodes beside the 2-node tree
+    hybrid = {(1, 4, 2): (2.8, beside)}
+    both = 1.5 - curve[1] + 0.5 * curve[1] + 0.5 * curve[5] + 0.04
+    assert tree_seconds(hybrid, costs, (1, 4, 2)) == (pytest.approx(both), True)
+    assert both != pytest.approx(1.5 - curve[1] + curve[3] + 0.04)  # not the curve at the mean count
+    assert tree_seconds({(1, 4, 2): (2.8, ())}, costs, (1, 4, 2)) == (1.5, True)  # no lookup: as measured
+    assert next(c for c in plan_tree(hybrid, costs).candidates
+                if c.num_draft_tokens == 4).planned_speedup == pytest.approx(2.8 * 1.1 / both)
+    first = 0.5 * (curve[4] + (1.1 - 1.0)) + 0.5 * 1.5 + 0.04  # 1 + 4 nodes and the loop, or the model alone
+    assert lookup_first_seconds(hybrid, costs, (1, 4, 2)) == (pytest.approx(first), True)
+    unmeasured = TreeCosts(costs.sizes, costs.verify, costs.plain, lookup=costs.lookup)
+    assert tree_seconds(hybrid, unmeasured, (1, 4, 2)) == (pytest.approx(0.1 + 0.5 * curve[1] + 0.5 * curve[5] + 0.04),
+                                                           False)  # the loop beyond the verification, at least
 
 
 def test_a_wider_siblings_measured_step_settles_a_narrower_trees_price():
     """A step of the same depth and nodes measured at a wider top-k is the most a narrower one costs
-    (the same verification, fewer candidates drafted): the narrowest wider one, moved along the curve
-    by each tree's n-gram nodes; a narrower sibling's step says nothing of a wider tree."""
+    (the same verification, fewer candidates drafted): the narrowest wider one, a hybrid's moved along
+    the curve by its n-gram nodes; a narrower sibling's step says nothing of a wider tree."""
     costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), 1.0, exact={(8, 2, 4): 2.3, (4, 2, 4): 2.1})
-    table = {(k, 2, 4): (2.0, 0.0) for k in (1, 2, 4, 8, 16)}
+    table = {(k, 2, 4): (2.0, ()) for k in (1, 2, 4, 8, 16)}
     assert tree_seconds(table, costs, (2, 2, 4)) == (pytest.approx(2.1), True)  # top-4's, not top-8's
     assert tree_seconds(table, costs, (4, 2, 4)) == (2.1, True)  # its own
     assert tree_seconds(table, costs, (16, 2, 4))[1] is False  # no wider sibling: a bound
-    hybrid = {(2, 2, 4): (2.0, 2.0), (4, 2, 4): (2.0, 0.0), (8, 2, 4): (2.0, 0.0)}  # 2 n-gram nodes beside top-2
+    hybrid = {(2, 2, 4): (2.0, ((2, 1.0),)), (4, 2, 4): (2.0, ()), (8, 2, 4): (2.0, ())}  # 2 n-gram nodes beside top-2
     assert tree_seconds(hybrid, costs, (2, 2, 4))[0] == pytest.approx(2.1 - 1.6 + costs.verify_seconds(6))
 
 
@@ -475,7 +486,7 @@ def test_a_narrower_tree_is_not_measured_once_its_wider_sibling_settles_it():
     the narrower one, bounded only by its verification, led until measured. Priced at its measured
     wider sibling's step, the most it can cost, it is settled: one whole step decides between them."""
     costs = TreeCosts((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.4), 1.0)
-    table = {(1, 2, 4): (1.9, 0.0), (4, 2, 4): (2.0, 0.0)}
+    table = {(1, 2, 4): (1.9, ()), (4, 2, 4): (2.0, ())}
     truth = {(1, 2, 4): 1.30, (4, 2, 4): 1.35}
     measured = []
 
@@ -497,7 +508,7 @@ def test_a_bound_is_the_verification_and_the_least_a_cheaper_tree_spent_beyond_i
     no bound for a wider one, nor a smaller tree's for a larger one (the curve underprices small
     trees' verification: their spend beyond it looks larger than a large tree's)."""
     costs = TreeCosts((1, 2, 4, 8), (1.0, 1.2, 1.6, 2.4), 1.1, exact={(2, 2, 4): 2.6})
-    table = {(k, d, n): (2.0, 0.0) for k in (1, 2, 4) for d in (1, 2, 3) for n in (2, 4, 8)}
+    table = {(k, d, n): (2.0, ()) for k in (1, 2, 4) for d in (1, 2, 3) for n in (2, 4, 8)}
     assert tree_seconds(table, costs, (4, 3, 4)) == (pytest.approx(1.6 + 1.0), False)  # spent 2.6 - 1.6 beyond
     assert tree_seconds(table, costs, (4, 3, 2)) == (pytest.approx(1.2 + 1.0), False)
     assert tree_seconds(table, costs, (4, 3, 8)) == (pytest.approx(2.4 + 0.1), False)  # only the loop's 0.1

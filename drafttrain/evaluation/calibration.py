@@ -531,9 +531,9 @@ def tree_depth_nodes(cfg: EvalConfig, models: LoadedModels, topk: int, depth: in
 def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer, store: Store,
                     depths: list[int], nodes: list[int], topks: list[int], dynamic: bool) -> dict:
     """Every tree a plan weighs with its expected tokens a step and a hybrid's n-gram nodes beside
-    it (`planning.tree_table`, as [top-k, depth, nodes, tokens, nodes beside] rows), and for a hybrid
-    each as a lookup-first hybrid's model (`planning.lookup_first_table`, as [top-k, depth, nodes,
-    tokens, lookup share, lookup nodes] rows), read off the recorded steps of the largest tree of each
+    it (`planning.tree_table`, as [top-k, depth, nodes, tokens, [[lookup nodes, share of steps], ..]]
+    rows), and for a hybrid each as a lookup-first hybrid's model (`planning.lookup_first_table`, as
+    [top-k, depth, nodes, tokens] rows), read off the recorded steps of the largest tree of each
     top-k, recorded verifying both branches (`cfg` with --lookup-first off); kept in `store`."""
     prompts = min(CALIBRATION_PROMPTS, len(calibration.prompts))
 
@@ -549,14 +549,14 @@ def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibrat
                 held[(k, d)] = tree_depth_nodes(cfg, models, k, d, max(nodes))
             return held[(k, d)]
 
-        table = tree_table(steps, depths, nodes, extra, tree_node_limit if dynamic else static_limit,
+        table = tree_table(steps, depths, nodes, tree_node_limit if dynamic else static_limit,
                            depth_capped=dynamic and not cfg.hybrid)
         first = lookup_first_table(steps, table) if cfg.hybrid else {}
-        return {"table": [[*key, *value] for key, value in sorted(table.items())], "extra_tokens": extra,
-                "first_table": [[*key, *value] for key, value in sorted(first.items())],
+        return {"table": [[*key, tokens, [list(b) for b in beside]] for key, (tokens, beside) in sorted(table.items())],
+                "extra_tokens": extra, "first_table": [[*key, tokens] for key, tokens in sorted(first.items())],
                 "prompts": max(read), "steps": sum(len(s) for s in steps.values())}
 
-    name = f"trees: depths {depths}, nodes {nodes}, top-k {topks}"
+    name = f"trees and their lookup nodes: depths {depths}, nodes {nodes}, top-k {topks}"
     return measurer.measured(store, name, record, f"recording trees on up to {prompts} prompts",
                              units=len(topks) * prompts)
 

@@ -47,8 +47,10 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
   left, as many as the tree takes, where three decodes ran before, then two (each a prefill and its
   steps: 1.5-2 s a tree on Gemma-3, 2 cores). A tree's step repeats alike within a decode (one
   size, one graph), and trees whose steps differ by less than `planning.TIE` are not told apart. A
-  hybrid's whole step verifying both is priced at least at the verification of its tree and the
-  calibration's n-gram nodes (`planning.hybrid_floor`): the probe's short decode may find fewer.
+  hybrid's steps are its model's alone (`plan_tree_drafter`: EAGLE-3 + n-gram reuses the steps
+  EAGLE-3's own plan timed), its lookup's nodes priced on the curve as many as the calibration
+  verified (`planning.tree_seconds`): timed whole on the probe's short decode, they were as many as
+  that decode's lookup found.
 
 Everything timed is warmed up first as the run will be: a whole step through its decoder's own
 `warmup()`, a forward through the engine's with the sizes AND the hidden layers the decoder
@@ -486,7 +488,8 @@ class TreeCurve:
         if following is None:
             return None
         self.timings = self.timings[:done] + self.chunk(following)
-        return self.costs([*costs.sizes, *following], costs.plain, costs.exact)
+        wider = self.costs([*costs.sizes, *following], costs.plain, costs.exact)
+        return dataclasses.replace(wider, lookup=costs.lookup)
 
 
 def plain_step(plan: DrafterPlanning, ids: list[int], fresh: bool = False) -> float:
@@ -511,8 +514,10 @@ def trusted_tree_costs(plan: DrafterPlanning, curve: TreeCurve, ids: list[int]) 
 
 def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict]:
     """The plan for Medusa heads or an EAGLE-3 draft verifying trees: depth, nodes and top-k, and a
-    hybrid's mode (`--lookup-first`). Its trees are recorded and its steps measured verifying both
-    branches; a lookup-first hybrid's are read off them (`planning.lookup_first_seconds`)."""
+    hybrid's mode (`--lookup-first`). A hybrid's trees are recorded verifying both branches (a
+    lookup-first hybrid's read off them, `planning.lookup_first_table`), and its model's steps timed
+    alone, as its model's own plan times them (the same cache entries: EAGLE-3's plan and its
+    hybrid's share them); its lookup's nodes are priced on the curve (`planning.tree_seconds`)."""
     cfg, models = dataclasses.replace(plan.cfg, lookup_first="off"), plan.models
     if plan.calibration is None or not plan.calibration.prompts:
         raise UserError(f"planning {cfg.drafter_name}'s tree needs its acceptance on other prompts than the evaluated "
@@ -521,16 +526,21 @@ def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict
     depths, nodes, topks, dynamic = tree_settings(cfg, models)
     recorded = tree_acceptance(cfg, models, plan.calibration, plan.measurer, plan.acceptance, depths, nodes, topks,
                                dynamic)
-    table = {(k, d, n): (e, x) for k, d, n, e, x in recorded["table"]}
-    first = {(k, d, n): (t, s, x) for k, d, n, t, s, x in recorded.get("first_table") or []} or None
+    table = {(k, d, n): (e, tuple((int(m), float(share)) for m, share in x)) for k, d, n, e, x in recorded["table"]}
+    first = {(k, d, n): t for k, d, n, t in recorded.get("first_table") or []} or None
     modes = lookup_modes(plan.cfg) if first else (False,)
     layers = verified_layers(cfg, models, cfg.decode_settings(k=max(depths), nodes=max(nodes), topk=max(topks)))
     curve = TreeCurve(plan, ids, layers, curve_chunks(depths, nodes))
     costs, doubts = trusted_tree_costs(plan, curve, ids)
+    if cfg.hybrid:  # host time, milliseconds: measured each plan, not kept
+        costs = dataclasses.replace(costs, lookup=tuple(lookup_seconds(cfg, cfg.hybrid, ids, max(depths))))
+    model = dataclasses.replace(cfg, **{cfg.hybrid: False}) if cfg.hybrid else cfg  # its steps timed without the lookup
+    identity = drafter_key(model) or plan.drafter
 
     def measure(topk, depth, n):
-        return plan.measured(plan.own_costs, f"tree step {plan.drafter}: top-{topk}, K {depth}, {n} nodes at {len(ids)}",
-                             lambda: tree_step_seconds(cfg, models, ids, depth, n, topk)[1],
+        depth = min(depth, n - 1) if dynamic else depth  # EAGLE-2's tree of n nodes is at most n - 1 deep
+        return plan.measured(plan.own_costs, f"tree step {identity}: top-{topk}, K {depth}, {n} nodes at {len(ids)}",
+                             lambda: tree_step_seconds(model, models, ids, depth, n, topk)[1],
                              f"a whole step of top-{topk}, K = {depth}, {n} nodes")
 
     chosen = fallback_plan() if doubts else None

@@ -461,3 +461,33 @@ def test_plans_keep_the_targets_prefills_and_the_evaluation_decodes_without(setu
                      drafter=("--heads", setup["heads"]))) == 0
     assert kept["plan"] and all(kept["plan"])
     assert kept["evaluation"] and not any(kept["evaluation"])
+
+
+def test_a_tree_hybrids_steps_are_timed_without_its_lookup_and_shared_with_its_models_plan(setup, tmp_path,
+                                                                                           monkeypatch):
+    """A tree hybrid's whole steps are its model's alone (`planning.tree_seconds` adds the lookup's
+    nodes as calibration counted them): timed without the lookup, under the model's own cache entries,
+    so a hybrid planned after its model measures no step the model's plan measured. Every tree step is
+    priced as if its verification were free here, so each plan measures its leaders."""
+    from drafttrain import planning
+    from drafttrain.evaluation import plan as planner
+
+    timed = []
+    real = planner.tree_step_seconds
+
+    def spy(cfg, models, ids, depth, nodes, topk):
+        timed.append((cfg.hybrid, depth, nodes, topk))
+        return real(cfg, models, ids, depth, nodes, topk)
+
+    monkeypatch.setattr(planner, "tree_step_seconds", spy)
+    monkeypatch.setattr(planning.TreeCosts, "least_verify_seconds", lambda self, nodes: 1e-9)
+    runs = {}
+    for name, extra in (("model", ()), ("hybrid", ("--ngram",))):
+        timed.clear()
+        assert main(argv(setup, tmp_path / name, *extra, "--tree-nodes", "auto", "--calibration-prompts",
+                         setup["calibration"], drafter=("--heads", setup["heads"]))) == 0
+        runs[name] = [t for t in timed if t[1]]  # whole tree steps (depth 0: the plain step)
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        assert report["overall"]["outputs_match_baseline"] == 1.0
+    assert runs["model"] and all(hybrid is None for hybrid, *_ in runs["model"] + runs["hybrid"])
+    assert not set(runs["model"]) & set(runs["hybrid"])
