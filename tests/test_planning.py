@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from drafttrain.decoding.verify import greedy_tree_verdict
-from drafttrain.planning import (Costs, HybridStep, TreeCosts, TreeStep, accepted_within, enough_prompts, expected_tokens,
+from drafttrain.planning import (Costs, HybridStep, TreeCosts, TreeStep, accepted_within, as_hybrid_steps, enough_prompts,
+                                 expected_tokens,
                                  interpolate, lookup_beside, lookup_first_seconds, lookup_first_table, noisy, plan_chain,
                                  plan_hybrid_chain, plan_tree, plan_tree_measured, step_seconds,
                                  tokens_per_step, tree_expected_tokens, tree_node_limit, tree_seconds, tree_table,
@@ -614,3 +615,48 @@ def test_costs_that_cannot_be_the_machines_are_named():
     assert implausible(Costs(verify, (0, 0.013, 0.026, 0.039), 0.001), [(k, 1) for k in range(1, 4)]) == []
     assert implausible(Costs(verify, (0, 0.0, 0.0, 0.0), float("nan"))) != []
     assert fallback_plan().num_draft_tokens == 0 and fallback_plan().planned_speedup == 1.0
+
+
+def test_a_hybrids_steps_read_off_its_models_recording_are_weighed_as_the_hybrid_takes_them():
+    """A replayed model drafts the same tree at a position whoever decodes, so its hybrid's steps can
+    be read off the model's recording with the lookup's chain at each step's start; but the hybrid
+    crosses copied text in fewer, longer steps, so the model's step positions over-sample copying.
+    Reference: the hybrid's own decode walked step by step over a text of copied spans and fresh
+    text, each position's model draft and lookup chain fixed. Weighed (`as_hybrid_steps`), the read-off
+    tokens a step come within 5% of the walk's (a copying step that starts at a span's end reaches into
+    the fresh text after it: 2-3% here, spans of 33 tokens); unweighted, they overshoot it by a third."""
+    rng = random.Random(3)
+    depth, length = 4, 6000
+    text = [rng.randrange(50) for _ in range(length + depth + 2)]
+    model_right = [min(depth, int(rng.expovariate(1.2))) for _ in range(length)]  # a model's drafts right at p
+    copying, lookup_right = False, []
+    for _ in range(length):  # spans of copied text, where the lookup's chain runs deep, and fresh text
+        copying = copying if rng.random() < 0.97 else not copying
+        lookup_right.append(depth if copying else 0)
+
+    def drafted(p, right):  # `right` tokens of the text after p, then a wrong one (within the depth)
+        return tuple(text[p:p + right]) + ((999,) if right < depth else ())
+
+    def chain(p):
+        return drafted(p, lookup_right[p]) if lookup_right[p] else ()
+
+    steps, p = [], 0  # the model alone, replayed
+    while p < length:
+        tokens = drafted(p, model_right[p])
+        steps.append(TreeStep(tokens, tuple(range(-1, len(tokens) - 1)), tuple(range(1, len(tokens) + 1)),
+                              tuple(text[p:p + model_right[p] + 1])))
+        p += model_right[p] + 1
+    walked, p = [], 0  # the hybrid's own decode
+    while p < length:
+        walked.append(1 + max(model_right[p], lookup_right[p]))
+        p += walked[-1]
+    truth = sum(walked) / len(walked)
+    hybrid = as_hybrid_steps({1: steps}, 1, text, chain, depth)[1]
+    assert [s.lookup for s in hybrid[:3]] == [chain(0), chain(len(steps[0].continuation)),
+                                              chain(len(steps[0].continuation) + len(steps[1].continuation))]
+    weighed = tree_expected_tokens(hybrid, depth, depth + 1)
+    unweighed = tree_expected_tokens([dataclasses.replace(s, weight=1.0) for s in hybrid], depth, depth + 1)
+    assert weighed == pytest.approx(truth, rel=0.05)
+    assert unweighed > 1.25 * truth
+    with pytest.raises(ValueError, match="replayed"):
+        as_hybrid_steps({1: steps}, 1, [t + 1 for t in text], chain, depth)

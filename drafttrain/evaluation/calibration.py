@@ -32,7 +32,10 @@ What a plan reads of the calibration prompts, and why it is no more than the dec
   (a GPU's, where verification is cheap and the replay is not worth its own forwards), decode
   against the target as before. Replayed, EAGLE-3's tree recordings grow the narrower top-ks'
   trees beside the widest one's in the same draft forwards (`recorded_trees`): one decode a prompt
-  for all of them, not one per top-k.
+  for all of them, not one per top-k. Its hybrid (`+ngram`) planned after it in the same run reads
+  its trees off that recording, the lookup's chain found at each step's start and the steps weighed
+  as the hybrid would take them (`hybrid_trees`, `planning.as_hybrid_steps`): its own recording was
+  12-13 s of the Gemma-3 demo's plans on 2 cores.
 - Prompts are read one at a time until the drafter's tokens a step is known to within 7.5% at 95%
   confidence (`planning.enough_prompts`: half of the 15% a plan is to come within of its
   measurement), at least 3, at most `CALIBRATION_PROMPTS` (`LOOKUP_CALIBRATION_PROMPTS` for a
@@ -58,8 +61,8 @@ from ..export import RECORD
 from ..kinds.base import Drafter
 from ..kinds.factory import build_decoder, tree_choice
 from ..kinds.registry import BY_NAME, LOOKUPS
-from ..planning import (HybridStep, TreeStep, enough_prompts, lookup_first_table, tree_node_limit, tree_table,
-                        walk_chain, walk_hybrid, walked_rates)
+from ..planning import (HybridStep, TreeStep, as_hybrid_steps, enough_prompts, lookup_first_table, tree_node_limit,
+                        tree_table, walk_chain, walk_hybrid, walked_rates)
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
 from ..tokens import left_pad
 from .config import PLAN_MAX_K, EvalConfig
@@ -152,6 +155,9 @@ class Calibration:
         self._teachers: dict[tuple[int, tuple[int, ...]], object] = {}
         self._hidden: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # the batch's hidden states, by prompt
         self._decoder = None
+        # a replayed model's recorded trees, by prompt, for its hybrid to read (`hybrid_trees`):
+        # (model, depth, nodes, top-ks) -> [(prompt index, {top-k: its steps})]
+        self.recordings: dict[tuple, list[tuple[int, dict[int, list[TreeStep]]]]] = {}
 
     def continuation(self, i: int, measurer: Measurer, layers: tuple[int, ...] = ()) -> list[int]:
         """The target's greedy continuation of calibration prompt `i`; where it is not decoded yet,
@@ -474,7 +480,8 @@ def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Ca
 
 
 def recorded_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
-                   prompts: int, depth: int, nodes: int, topks: list[int]) -> dict[int, tuple[list[TreeStep], float, int]]:
+                   prompts: int, depth: int, nodes: int, topks: list[int],
+                   keep: tuple | None = None) -> dict[int, tuple[list[TreeStep], float, int]]:
     """Calibration prompts decoded with the largest tree, every step's candidates recorded
     (`planning.TreeStep`): {top-k: (its steps, a hybrid's n-gram nodes per step, prompts read)}.
     Where the decode replays the target's continuations and its drafter grows the other top-ks'
@@ -482,11 +489,12 @@ def recorded_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibrati
     one decode a prompt records them all, each read at the widest tree's steps as smaller trees
     are read at the largest's: four top-ks cost about one (each level of all four trees is one
     draft forward, about as dear as one tree's), where a decode per top-k took most of EAGLE-3's
-    plan (Gemma-3, 2 cores: 28 of its 75 s, and 18 of its hybrid's 25). Else a decode per top-k."""
+    plan (Gemma-3, 2 cores: 28 of its 75 s, and 18 of its hybrid's 25). Else a decode per top-k.
+    `keep`: where those steps are kept by prompt in `calibration.recordings`, for a hybrid to read."""
     widest = max(topks)
     beside = tuple(k for k in topks if k != widest)
     if beside and replays(cfg, models):
-        found = record_trees(cfg, models, calibration, measurer, prompts, depth, nodes, widest, beside)
+        found = record_trees(cfg, models, calibration, measurer, prompts, depth, nodes, widest, beside, keep)
         if found is not None:
             return found
     return {k: v for topk in topks
@@ -494,13 +502,14 @@ def recorded_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibrati
 
 
 def record_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer, prompts: int,
-                 depth: int, nodes: int, topk: int, beside: tuple[int, ...]) -> dict | None:
+                 depth: int, nodes: int, topk: int, beside: tuple[int, ...], keep: tuple | None = None) -> dict | None:
     """`recorded_trees` of one decode a prompt with the largest top-`topk` tree and, grown beside
-    it, those of `beside` (None: its drafter grows none beside)."""
+    it, those of `beside` (None: its drafter grows none beside); kept by prompt under `keep`."""
     settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
     steps: dict[int, list[TreeStep]] = {k: [] for k in (topk, *beside)}
     per_prompt, lookups = [], 0
     what = f"top-{topk} trees" + (f" (top-{', '.join(map(str, beside))} grown beside)" if beside else "")
+    by_prompt = []
     for i, (p, decoder) in enumerate(calibration_decoders(cfg, models, calibration, measurer, settings, prompts)):
         if beside and not decoder.drafter.grow_beside(beside):
             return None
@@ -512,12 +521,39 @@ def record_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration
         steps[topk] += decoder.recorded
         for k in beside:
             steps[k] += decoder.recorded_beside.get(k, [])
+        by_prompt.append((i, {topk: decoder.recorded, **{k: decoder.recorded_beside.get(k, []) for k in beside}}))
         per_prompt.append((len(gen.tokens), len(gen.accepted_lengths)))
         measurer.tick(len(steps))
         if enough_prompts(per_prompt):
             break
     extra = lookups / max(1, len(steps[topk]))
+    if keep is not None:
+        calibration.recordings[keep] = by_prompt
     return {k: (found, extra, len(per_prompt)) for k, found in steps.items()}
+
+
+def hybrid_trees(cfg: EvalConfig, calibration: Calibration, measurer: Measurer, kept: tuple, depth: int,
+                 topks: list[int]) -> dict[int, tuple[list[TreeStep], float, int]] | None:
+    """A hybrid's `recorded_trees` read off its model's replayed recording in this run
+    (`calibration.recordings[kept]`, None where there is none), its lookup's chain at each step's
+    start (`planning.as_hybrid_steps`: the steps weighed as the hybrid would take them), rather than
+    a decode of its own."""
+    by_prompt = calibration.recordings.get(kept)
+    if by_prompt is None:
+        return None
+    measurer.doing(f"trees read off its model's recording, with {cfg.hybrid} lookup beside")
+    new_lookup, widest = BY_NAME[cfg.hybrid].lookup, max(topks)
+    settings = cfg.decode_settings(k=depth, nodes=cfg.max_tree_nodes)
+    steps: dict[int, list[TreeStep]] = {k: [] for k in topks}
+    for i, recorded in by_prompt:
+        prompt, continuation = calibration.prompts[i].ids, calibration.continuation(i, measurer)
+        propose = looking_up(new_lookup(settings), prompt)
+        for k, found in as_hybrid_steps(recorded, widest, continuation,
+                                        lambda m: propose(prompt + continuation[:m], depth), depth).items():
+            steps[k] += found
+    read = steps[widest]
+    extra = sum(s.weight * len(s.lookup) for s in read) / max(1e-9, sum(s.weight for s in read))
+    return {k: (found, extra, len(by_prompt)) for k, found in steps.items()}
 
 
 def tree_depth_nodes(cfg: EvalConfig, models: LoadedModels, topk: int, depth: int, nodes: int) -> int:
@@ -529,16 +565,22 @@ def tree_depth_nodes(cfg: EvalConfig, models: LoadedModels, topk: int, depth: in
 
 
 def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer, store: Store,
-                    depths: list[int], nodes: list[int], topks: list[int], dynamic: bool) -> dict:
+                    depths: list[int], nodes: list[int], topks: list[int], dynamic: bool, model: str) -> dict:
     """Every tree a plan weighs with its expected tokens a step and a hybrid's n-gram nodes beside
     it (`planning.tree_table`, as [top-k, depth, nodes, tokens, [[lookup nodes, share of steps], ..]]
     rows), and for a hybrid each as a lookup-first hybrid's model (`planning.lookup_first_table`, as
     [top-k, depth, nodes, tokens] rows), read off the recorded steps of the largest tree of each
-    top-k, recorded verifying both branches (`cfg` with --lookup-first off); kept in `store`."""
+    top-k, recorded verifying both branches (`cfg` with --lookup-first off); kept in `store`. A
+    hybrid reads its model's recording where this run made one (`hybrid_trees`; `model`: the
+    model's identity in the cache's keys), else records its own."""
     prompts = min(CALIBRATION_PROMPTS, len(calibration.prompts))
+    kept = (model, max(depths), max(nodes), tuple(topks))
 
     def record() -> dict:
-        found = recorded_trees(cfg, models, calibration, measurer, prompts, max(depths), max(nodes), topks)
+        found = hybrid_trees(cfg, calibration, measurer, kept, max(depths), topks) if cfg.hybrid else None
+        if found is None:
+            found = recorded_trees(cfg, models, calibration, measurer, prompts, max(depths), max(nodes), topks,
+                                   None if cfg.hybrid else kept)
         steps = {k: found[k][0] for k in topks}
         extra = {k: found[k][1] for k in topks}
         read = [found[k][2] for k in topks]

@@ -524,8 +524,10 @@ def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict
                         "ones; pass --calibration-prompts FILE")
     start = time.perf_counter()
     depths, nodes, topks, dynamic = tree_settings(cfg, models)
+    model = dataclasses.replace(cfg, **{cfg.hybrid: False}) if cfg.hybrid else cfg  # its steps timed without the lookup
+    identity = drafter_key(model) or plan.drafter
     recorded = tree_acceptance(cfg, models, plan.calibration, plan.measurer, plan.acceptance, depths, nodes, topks,
-                               dynamic)
+                               dynamic, identity)
     table = {(k, d, n): (e, tuple((int(m), float(share)) for m, share in x)) for k, d, n, e, x in recorded["table"]}
     first = {(k, d, n): t for k, d, n, t in recorded.get("first_table") or []} or None
     modes = lookup_modes(plan.cfg) if first else (False,)
@@ -534,8 +536,6 @@ def plan_tree_drafter(plan: DrafterPlanning, ids: list[int]) -> tuple[Plan, dict
     costs, doubts = trusted_tree_costs(plan, curve, ids)
     if cfg.hybrid:  # host time, milliseconds: measured each plan, not kept
         costs = dataclasses.replace(costs, lookup=tuple(lookup_seconds(cfg, cfg.hybrid, ids, max(depths))))
-    model = dataclasses.replace(cfg, **{cfg.hybrid: False}) if cfg.hybrid else cfg  # its steps timed without the lookup
-    identity = drafter_key(model) or plan.drafter
 
     def measure(topk, depth, n):
         depth = min(depth, n - 1) if dynamic else depth  # EAGLE-2's tree of n nodes is at most n - 1 deep

@@ -192,6 +192,36 @@ def test_a_planned_tree_decodes_with_its_plan_and_equals_the_target(files, tmp_p
     assert recordings == ([(1, ()), (2, ()), (4, ())] if "static" in extra else [(4, (1, 2))])
 
 
+def test_a_planned_hybrid_reads_its_trees_off_its_models_recording(files, tmp_path, monkeypatch):
+    """EAGLE-3 and EAGLE-3 + n-gram planned in one compare: the calibration prompts are decoded once,
+    by EAGLE-3's recording (replayed, its top-ks grown beside the widest); its hybrid reads its trees
+    off it with the lookup's chain at each step (`calibration.hybrid_trees`), weighs every tree in
+    both modes, and decodes losslessly."""
+    from drafttrain.evaluation import calibration as calibrating
+
+    root, references = files
+    calibration = tmp_path / "c.jsonl"
+    calibration.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i} w{i + 1} w{i + 2}"}) + "\n"
+                                   for i in (5, 20, 33)))
+    recordings, record = [], calibrating.record_trees
+    monkeypatch.setattr(calibrating, "record_trees", lambda *a: recordings.append(a[0].hybrid) or record(*a))
+    read, hybrid_trees = [], calibrating.hybrid_trees
+    monkeypatch.setattr(calibrating, "hybrid_trees", lambda *a: read.append(a[0].hybrid) or hybrid_trees(*a))
+    assert main(["compare", "--target", str(root / "target"), "--drafter", f"e3=eagle3:{root / 'eagle3'}",
+                 "--drafter", f"e3ng=eagle3:{root / 'eagle3'}+ngram", "--prompts", str(root / "p.jsonl"),
+                 "--max-new-tokens", str(MAX_NEW), "--dtype", "float64", "--num-draft-tokens", "auto",
+                 "--tree-nodes", "auto", "--tree-topk", "4", "--calibration-prompts", str(calibration),
+                 "--out", str(tmp_path / "cmp"), "--quiet"]) == 0
+    assert recordings == [None] and read == ["ngram"]  # one decode: EAGLE-3's
+    hybrid = json.loads((tmp_path / "cmp" / "e3ng" / "report.json").read_text())
+    plan = hybrid["plan"]
+    assert plan["source"].startswith("3 calibration prompts")
+    modes = {c["lookup_first"] for c in plan["candidates"] if c["num_draft_tokens"]}
+    assert modes == {False, True}
+    rows = [json.loads(line) for line in (tmp_path / "cmp" / "e3ng" / "outputs.jsonl").read_text().splitlines()]
+    assert [r["speculative_token_ids"] for r in rows] == references
+
+
 def overall_nodes(report) -> int:
     return report["overall"].get("tree_nodes") or 0
 
