@@ -417,7 +417,7 @@ def beside_seconds(costs: TreeCosts, nodes: int, beside: Beside, least: bool = F
     return sum(share * curve(nodes + n) for n, share in beside) if beside else curve(nodes)
 
 
-def beyond_verification(table: TreeTable, costs: TreeCosts, topk: int, depth: int, nodes: int) -> float:
+def beyond_verification(costs: TreeCosts, topk: int, depth: int, nodes: int) -> float:
     """The least a step of this tree spends beyond its verification: a plain step's loop (sampling,
     bookkeeping, the sync), or what any measured tree no wider, no deeper and no smaller spent.
     Drafting more levels of more nodes costs no less; and the verification curve (one tree shape
@@ -443,7 +443,7 @@ def wider_sibling_seconds(costs: TreeCosts, key: tuple[int, int, int]) -> float 
     return min(wider)[1] if wider else None
 
 
-def model_step_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
+def model_step_seconds(costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
     """The step of this tree's model alone, and whether a measurement settles it: its own measured
     step, else the most it can cost by a measured wider sibling (`wider_sibling_seconds`); else the
     least it can cost, never above the truth: its verification plus `beyond_verification`."""
@@ -453,7 +453,7 @@ def model_step_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, 
     if seconds is not None:
         return seconds, True
     topk, depth, nodes = key
-    return costs.least_verify_seconds(nodes) + beyond_verification(table, costs, topk, depth, nodes), False
+    return costs.least_verify_seconds(nodes) + beyond_verification(costs, topk, depth, nodes), False
 
 
 def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) -> tuple[float, bool]:
@@ -464,7 +464,7 @@ def tree_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int, int]) 
     lookup's nodes as that decode found them, fewer than the calibration's and the run's: Gemma-3's
     EAGLE-3 + n-gram (2 cores, 2026-11-28) planned 2.08x, measured 1.51x, at 95 ms a step timed on
     the probe for 143 ms a step in the run."""
-    model, settled = model_step_seconds(table, costs, key)
+    model, settled = model_step_seconds(costs, key)
     beside = table[key][1]
     if not beside:
         return model, settled
@@ -532,7 +532,7 @@ def lookup_first_seconds(table: TreeTable, costs: TreeCosts, key: tuple[int, int
     and the lookup's host time every step. Priced at the tree's step timed beside the lookup on the
     probe, the model's steps cost what the probe's lookup nodes did: Gemma-3's EAGLE-3 + n-gram
     (2 cores, 2026-11-28) planned 1.52x, measured 1.82x."""
-    model, settled = model_step_seconds(table, costs, key)
+    model, settled = model_step_seconds(costs, key)
     found = [(n, share) for n, share in table[key][1] if n]
     share = sum(s for _, s in found)
     lookup = sum(s * costs.least_verify_seconds(1 + n) for n, s in found) / share + costs.loop if share else 0.0
