@@ -514,14 +514,14 @@ def as_hybrid_steps(steps: dict[int, list[TreeStep]], widest: int, continuation:
             raise ValueError("recorded steps read as a hybrid's come from a decode replayed on the continuation")
         drafted = bool(step.tokens)  # a step with no tree: the token budget's last, its lookup cut as short
         lookup = tuple(chain(emitted))[:depth] if drafted else ()
-        advance = max(len(step.continuation), 1 + agreed(list(lookup), list(known)))
+        advance = max(len(step.continuation), 1 + agreed(lookup, known))
         weight = len(step.continuation) / advance
         for k in steps:
             s = step if k == widest or not drafted else next(read[k])  # no tree grew beside a step with none
             out[k].append(TreeStep(s.tokens, s.parents, s.depths, known, lookup, weight))
         emitted += len(step.continuation)
     if any(next(rest, None) is not None for rest in read.values()):
-        raise ValueError("the trees grown beside are one a step that drafted a tree")
+        raise ValueError("trees grown beside the widest are recorded once for each step that drafted a tree")
     return out
 
 

@@ -61,8 +61,8 @@ from ..export import RECORD
 from ..kinds.base import Drafter
 from ..kinds.factory import build_decoder, tree_choice
 from ..kinds.registry import BY_NAME, LOOKUPS
-from ..planning import (HybridStep, TreeStep, as_hybrid_steps, enough_prompts, lookup_first_table, tree_node_limit,
-                        tree_table, walk_chain, walk_hybrid, walked_rates)
+from ..planning import (HybridStep, TreeStep, as_hybrid_steps, enough_prompts, lookup_beside, lookup_first_table,
+                        tree_node_limit, tree_table, walk_chain, walk_hybrid, walked_rates)
 from ..prompts import EncodedPrompt, PromptRecord, encode_prompts, prompt_content, read_prompts
 from ..tokens import left_pad
 from .config import PLAN_MAX_K, EvalConfig
@@ -481,9 +481,9 @@ def calibrated_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Ca
 
 def recorded_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration, measurer: Measurer,
                    prompts: int, depth: int, nodes: int, topks: list[int],
-                   keep: tuple | None = None) -> dict[int, tuple[list[TreeStep], float, int]]:
+                   keep: tuple | None = None) -> dict[int, tuple[list[TreeStep], int]]:
     """Calibration prompts decoded with the largest tree, every step's candidates recorded
-    (`planning.TreeStep`): {top-k: (its steps, a hybrid's n-gram nodes per step, prompts read)}.
+    (`planning.TreeStep`): {top-k: (its steps, prompts read)}.
     Where the decode replays the target's continuations and its drafter grows the other top-ks'
     trees beside the widest one's (`TreeDrafter.grow_beside`: EAGLE-2's trees on the eager engine),
     one decode a prompt records them all, each read at the widest tree's steps as smaller trees
@@ -506,34 +506,26 @@ def record_trees(cfg: EvalConfig, models: LoadedModels, calibration: Calibration
     """`recorded_trees` of one decode a prompt with the largest top-`topk` tree and, grown beside
     it, those of `beside` (None: its drafter grows none beside); kept by prompt under `keep`."""
     settings = cfg.decode_settings(k=depth, nodes=nodes, topk=topk)
-    steps: dict[int, list[TreeStep]] = {k: [] for k in (topk, *beside)}
-    per_prompt, lookups = [], 0
     what = f"top-{topk} trees" + (f" (top-{', '.join(map(str, beside))} grown beside)" if beside else "")
-    by_prompt = []
+    by_prompt, per_prompt = [], []
     for i, (p, decoder) in enumerate(calibration_decoders(cfg, models, calibration, measurer, settings, prompts)):
         if beside and not decoder.drafter.grow_beside(beside):
             return None
         measurer.doing(f"{what}: prompt {i + 1} of at most {prompts}")
         decoder.recorded, decoder.recorded_beside = [], {}
-        before = lookup_nodes(decoder) or 0
         gen = decoder.generate(p.ids, cfg.max_new_tokens)
-        lookups += (lookup_nodes(decoder) or 0) - before
-        steps[topk] += decoder.recorded
-        for k in beside:
-            steps[k] += decoder.recorded_beside.get(k, [])
         by_prompt.append((i, {topk: decoder.recorded, **{k: decoder.recorded_beside.get(k, []) for k in beside}}))
         per_prompt.append((len(gen.tokens), len(gen.accepted_lengths)))
-        measurer.tick(len(steps))
+        measurer.tick(1 + len(beside))
         if enough_prompts(per_prompt):
             break
-    extra = lookups / max(1, len(steps[topk]))
     if keep is not None:
         calibration.recordings[keep] = by_prompt
-    return {k: (found, extra, len(per_prompt)) for k, found in steps.items()}
+    return {k: ([s for _, recorded in by_prompt for s in recorded[k]], len(per_prompt)) for k in (topk, *beside)}
 
 
 def hybrid_trees(cfg: EvalConfig, calibration: Calibration, measurer: Measurer, kept: tuple, depth: int,
-                 topks: list[int]) -> dict[int, tuple[list[TreeStep], float, int]] | None:
+                 topks: list[int]) -> dict[int, tuple[list[TreeStep], int]] | None:
     """A hybrid's `recorded_trees` read off its model's replayed recording in this run
     (`calibration.recordings[kept]`, None where there is none), its lookup's chain at each step's
     start (`planning.as_hybrid_steps`: the steps weighed as the hybrid would take them), rather than
@@ -551,9 +543,7 @@ def hybrid_trees(cfg: EvalConfig, calibration: Calibration, measurer: Measurer, 
         for k, found in as_hybrid_steps(recorded, widest, continuation,
                                         lambda m: propose(prompt + continuation[:m], depth), depth).items():
             steps[k] += found
-    read = steps[widest]
-    extra = sum(s.weight * len(s.lookup) for s in read) / max(1e-9, sum(s.weight for s in read))
-    return {k: (found, extra, len(by_prompt)) for k, found in steps.items()}
+    return {k: (found, len(by_prompt)) for k, found in steps.items()}
 
 
 def tree_depth_nodes(cfg: EvalConfig, models: LoadedModels, topk: int, depth: int, nodes: int) -> int:
@@ -582,8 +572,8 @@ def tree_acceptance(cfg: EvalConfig, models: LoadedModels, calibration: Calibrat
             found = recorded_trees(cfg, models, calibration, measurer, prompts, max(depths), max(nodes), topks,
                                    None if cfg.hybrid else kept)
         steps = {k: found[k][0] for k in topks}
-        extra = {k: found[k][1] for k in topks}
-        read = [found[k][2] for k in topks]
+        extra = {k: sum(n * share for n, share in lookup_beside(steps[k], max(depths))) for k in topks}
+        read = [found[k][1] for k in topks]
         held: dict[tuple[int, int], int] = {}
 
         def static_limit(k: int, d: int) -> int:
