@@ -32,7 +32,8 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
 - Rounds of a chain's costs: two, and a third only where the two disagree (any cost's round medians
   more than `ROUND_AGREEMENT`, 5%, apart): on a quiet machine a third could not move the plan.
   The target's rounds were 33 s of the Gemma-3 demo's plans. They are taken at one probe where the
-  run's prompts are alike in length (`PROBE_SPAN`), at three where they are not.
+  run's prompts are alike in length (`PROBE_SPAN`), at three where they are not; the loop's
+  overhead beyond a forward in the first round only (`chain_target_rounds`).
 - Acceptance: see `evaluation.calibration` (the target's continuations decoded once; model drafters
   replayed against them instead of verified by the target; prompts read until the confidence
   interval is tight).
@@ -227,17 +228,17 @@ def draft_forwards(cfg: EvalConfig, models: LoadedModels, acceptance: Acceptance
 
 
 def target_round(cfg: EvalConfig, models: LoadedModels, ids: list[int], layers: tuple[int, ...],
-                 sizes: int) -> tuple[list[list[float]], float]:
+                 sizes: int, overhead: float | None = None) -> tuple[list[list[float]], float]:
     """One round of a chain plan's target costs at the end of `ids`: its forwards of 1 .. `sizes`
-    tokens (timings by size) and a plain step's overhead beyond its forward. The forwards of 2 ..
-    n tokens are the decoder's verifications, with its drafter's hidden `layers`; one token is what
-    K = 0 runs, the target alone, which reads none (so a plain step costs verify[0] plus the
-    overhead, as measured)."""
+    tokens (timings by size) and a plain step's overhead beyond its forward (`overhead`, where an
+    earlier round measured it). The forwards of 2 .. n tokens are the decoder's verifications, with
+    its drafter's hidden `layers`; one token is what K = 0 runs, the target alone, which reads none
+    (so a plain step costs verify[0] plus the overhead, as measured)."""
     target_lm = models.target_lm or as_cached_lm(models.target)
     verify = forward_curve(target_lm, ids, sizes, repeats=ROUND_REPEATS, hidden_layers=layers)
     if layers:  # K = 0 decodes with the target alone: a plain one-token forward
         verify[0] = forward_curve(target_lm, ids, [1], repeats=ROUND_REPEATS)[0]
-    return verify, loop_overhead(models, ids, median(verify[0]))
+    return verify, loop_overhead(models, ids, median(verify[0])) if overhead is None else overhead
 
 
 def agreeing(series: list[list[float]]) -> bool:
@@ -300,16 +301,24 @@ def rounds_at_probes(plan: DrafterPlanning, probes: list[list[int]], what: str, 
 
 def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: int, fresh: bool) -> list:
     """The target's chain costs at every probe in 2 or 3 interleaved rounds (`interleaved_rounds`; a
-    machine that slows down mid-measurement hits every size and the overhead alike): `[round][probe]`
-    = (verify timings by size, overhead). Shared by every drafter verifying with the same hidden layers and
-    sizes."""
+    machine that slows down mid-measurement hits every size alike): `[round][probe]` = (verify
+    timings by size, overhead). The loop's overhead is the first round's at each probe, kept by the
+    rest: a plain decode of its own a round (0.7-1.0 s on Gemma-3, 2 cores) for a difference of two
+    timings that came out at 0 to 0.5 ms there. Shared by every drafter verifying with the same
+    hidden layers and sizes."""
     cfg, models = plan.cfg, plan.models
     layers = verified_layers(cfg, models, cfg.decode_settings(k=max_k, nodes=cfg.max_tree_nodes))
     sizes = max_k + 1 + (max_k if cfg.hybrid else 0)
 
     def measure():
-        return rounds_at_probes(plan, probes, f"target: forwards of 1 .. {sizes} tokens",
-                                lambda ids: target_round(cfg, models, ids, layers, sizes), target_series)
+        overheads: dict[int, float] = {}  # by probe: its first round's
+
+        def at_probe(ids: list[int]):
+            verify, overhead = target_round(cfg, models, ids, layers, sizes, overheads.get(len(ids)))
+            overheads[len(ids)] = overhead
+            return verify, overhead
+
+        return rounds_at_probes(plan, probes, f"target: forwards of 1 .. {sizes} tokens", at_probe, target_series)
 
     name = f"chain target: layers {list(layers)}, 1 .. {sizes} tokens at {[len(p) for p in probes]}"
     return plan.measured(plan.costs, name, measure, f"target: forwards of 1 .. {sizes} tokens",

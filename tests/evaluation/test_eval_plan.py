@@ -318,9 +318,26 @@ def test_costs_that_cannot_be_the_machines_fall_back_to_the_target_alone(setup, 
         monkeypatch.setattr(planner, "model_drafter_seconds", slow)
     plan, err = planned_with(setup, tmp_path, capsys, spec=("--draft", setup["draft"]))
     assert plan["num_draft_tokens"] == 0 and plan["planned_speedup"] == 1.0 and plan["untrusted"]
-    assert len(calls) == planner.COST_ATTEMPTS * planner.COST_ROUNDS  # measured again before giving up
+    # measured again before giving up (the loop's overhead in a measurement's first round only)
+    probes = len(plan["costs"]["context_lengths"])
+    assert len(calls) == planner.COST_ATTEMPTS * probes * (1 if impossible == "overhead" else planner.COST_ROUNDS)
     warnings = [w for w in err.splitlines() if "cannot be the machine's" in w]
     assert len(warnings) == 1 and "target alone" in warnings[0], err
+
+
+def test_the_loops_overhead_is_its_first_rounds_at_each_probe(setup, tmp_path, capsys, monkeypatch):
+    """A plain decode a round timed the loop's overhead beyond a forward (0.7-1.0 s of each of
+    Gemma-3's rounds on 2 cores, for 0 to 0.5 ms): the later rounds keep the first's, and the plan
+    prices a step with it."""
+    from drafttrain.evaluation import plan as planner
+
+    monkeypatch.setattr(planner, "ROUND_AGREEMENT", -1.0)  # every round measured
+    measured = []
+    monkeypatch.setattr(planner, "loop_overhead", lambda *a, **k: measured.append(1e-4 * (len(measured) + 1)) or measured[-1])
+    plan, _ = planned_with(setup, tmp_path, capsys)
+    probes = len(plan["costs"]["context_lengths"])
+    assert plan["costs"]["rounds"]["target"] == planner.COST_ROUNDS and len(measured) == probes
+    assert plan["costs"]["overhead_seconds"] == pytest.approx(sum(measured) / probes)
 
 
 def test_plausible_costs_are_trusted_and_measured_once(setup, tmp_path, capsys):
@@ -380,9 +397,9 @@ def injected_costs(monkeypatch, spread: float) -> list[str]:
         timed.append(1)
         return 1 + spread * (len(timed) % 2)
 
-    def target_round(cfg, models, ids, layers, sizes):
+    def target_round(cfg, models, ids, layers, sizes, overhead=None):
         f = factor()
-        return [[0.010 * (1 + 0.1 * n) * f] * 3 for n in range(sizes)], 0.001 * f
+        return [[0.010 * (1 + 0.1 * n) * f] * 3 for n in range(sizes)], 0.001 * f if overhead is None else overhead
 
     def drafter_seconds(cfg, models, ids, acceptance, max_k):
         f = factor()

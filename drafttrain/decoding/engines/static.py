@@ -285,11 +285,17 @@ def softcap_logits(config, logits: torch.Tensor) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
 
 
+def lm_logits(model, x: torch.Tensor) -> torch.Tensor:
+    """The LM head over final (normed) hidden states: logits, soft-capped where the model does."""
+    return softcap_logits(model.config, model.lm_head(x))
+
+
 def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 block_mask: torch.Tensor, key_valid: torch.Tensor | None, hidden_layers: tuple[int, ...] = (),
                 last_only: bool = False, rows: slice = slice(None)):
     """tokens/positions [B, n], slots [n], block_mask [n, n] -> (logits [B, n, V], hidden [B, n, D] or None).
-    `last_only`: logits [B, 1, V] of the last token only (a batch's prefill reads no other). `rows`:
+    `last_only`: the last token's final (normed) hidden state [B, 1, D] in place of the logits, for
+    the caller's one head over many (a batch's prefill reads no other token: `lm_logits`). `rows`:
     the cache rows the B rows are (a batch's prefill, a row at a time: `BatchGenerator`).
 
     Writes the n tokens' K/V at `slots` of every layer. The one function both compiled and
@@ -327,7 +333,7 @@ def static_step(model, cache: StaticCache, tokens: torch.Tensor, positions: torc
     x = body.norm(x)
     if cache.num_layers in hidden_layers:
         picked[cache.num_layers] = x
-    logits = softcap_logits(model.config, model.lm_head(x[:, -1:] if last_only else x))
+    logits = x[:, -1:] if last_only else lm_logits(model, x)
     if not hidden_layers:
         return logits, None
     hidden = [picked[i] for i in hidden_layers]
@@ -433,8 +439,8 @@ class StaticLM(CachedLM):
             key_valid: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (), compiled: bool = False,
             last_only: bool = False, rows: slice = slice(None)):
         """One step at slots length .. length + n - 1 ([B, n] inputs). Does not move `length`.
-        `last_only` (uncompiled): the LM head over the last token only, and the inputs may be some
-        `rows` of the cache's (`static_step`)."""
+        `last_only` (uncompiled): the last token's final hidden state, not its logits (`lm_logits`
+        heads it), and the inputs may be some `rows` of the cache's (`static_step`)."""
         n = tokens.shape[1]
         slots = torch.arange(self.length, self.length + n, device=self.device)
         if last_only:

@@ -1,7 +1,8 @@
 """`CachedLM.prefill`: tokens whose logits no one reads (a prompt but its last token) go into the
 cache without the LM head over them, on the eager engine (transformers' `logits_to_keep`) and in a
 batch's prefill (`static_step(last_only=True)`). The cache and the hidden states are a forward's,
-so decoding after it is unchanged; the head reads one row a prompt, where it read every row."""
+so decoding after it is unchanged; the head reads one row a prompt, where it read every row (a
+batch's rows in one product, as its decode steps read them)."""
 
 from __future__ import annotations
 
@@ -54,15 +55,15 @@ def test_a_decode_prefills_target_and_draft_without_the_head():
     assert target_rows[0] == 1 and draft_rows[0] == 1 and max(draft_rows) <= 4
 
 
-def test_a_batch_prefill_reads_one_row_of_the_head_a_prompt():
+def test_a_batch_prefill_reads_one_row_of_the_head_a_prompt_all_in_one_product():
     model = tiny_lm(0, dtype=torch.float64)
     prompts = [list(range(4, 4 + n)) for n in (3, 9, 6)]
     generator = BatchGenerator(model, batch_size=4, max_length=32, compile=False)
     rows = head_rows(model)
     ids, mask = left_pad(prompts, 0, torch.device("cpu"))
     out, _, _ = generator.generate(ids, mask, max_new_tokens=5, eos_token_ids=[])
-    # a row at a time, each its last prompt token (none for the batch's padding row), then [batch, 1] a step
-    assert rows == [1, 1, 1] + [4] * 4
+    # the prompts' last tokens together (none for the batch's padding row), then [batch, 1] a step
+    assert rows == [3] + [4] * 4
     assert out == [greedy_reference(model, p, 5) for p in prompts]
 
 
