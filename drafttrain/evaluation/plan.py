@@ -30,8 +30,9 @@ plans, EAGLE-3's 607 s and its hybrid's 479 s):
   starts from one. The Gemma-3 demo's plans prefilled its 167-token probe 16 times, 6.1 s (2 cores,
   2026-11-28); now twice (with and without EAGLE-3's layers).
 - Rounds of a chain's costs: two, and a third only where the two disagree (any cost's round medians
-  more than `ROUND_AGREEMENT`, 5%, apart): on a quiet machine a third could not move the plan.
-  The target's rounds were 33 s of the Gemma-3 demo's plans. They are taken at one probe where the
+  more than `ROUND_AGREEMENT`, 5%, apart): on a quiet machine a third could not move the plan; nor
+  a third of the target's where the plan made with either round alone is the plan made with both
+  (`settles`). The target's rounds were 33 s of the Gemma-3 demo's plans. They are taken at one probe where the
   run's prompts are alike in length (`PROBE_SPAN`), at three where they are not; the loop's
   overhead beyond a forward in the first round only (`chain_target_rounds`).
 - Acceptance: see `evaluation.calibration` (the target's continuations decoded once; model drafters
@@ -299,30 +300,42 @@ def rounds_at_probes(plan: DrafterPlanning, probes: list[list[int]], what: str, 
     return interleaved_rounds(one_round, series)
 
 
-def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: int, fresh: bool) -> list:
-    """The target's chain costs at every probe in 2 or 3 interleaved rounds (`interleaved_rounds`; a
-    machine that slows down mid-measurement hits every size alike): `[round][probe]` = (verify
-    timings by size, overhead). The loop's overhead is the first round's at each probe, kept by the
-    rest: a plain decode of its own a round (0.7-1.0 s on Gemma-3, 2 cores) for a difference of two
-    timings that came out at 0 to 0.5 ms there. Shared by every drafter verifying with the same
-    hidden layers and sizes."""
+def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: int, fresh: bool,
+                        settled=lambda rounds: False) -> list:
+    """The target's chain costs at every probe in interleaved rounds (a machine that slows down
+    mid-measurement hits every size alike): `[round][probe]` = (verify timings by size, overhead).
+    Two rounds, and a third only where they disagree (`agreeing`) and the plan is not `settled` by
+    them (`settles`), kept as an entry of its own: a drafter reading the first two from the cache
+    measures it only where its own plan needs it. The loop's overhead is the first round's at each
+    probe, kept by the rest: a plain decode of its own a round (0.7-1.0 s on Gemma-3, 2 cores) for a
+    difference of two timings that came out at 0 to 0.5 ms there. Shared by every drafter verifying
+    with the same hidden layers and sizes."""
     cfg, models = plan.cfg, plan.models
     layers = verified_layers(cfg, models, cfg.decode_settings(k=max_k, nodes=cfg.max_tree_nodes))
     sizes = max_k + 1 + (max_k if cfg.hybrid else 0)
+    what = f"target: forwards of 1 .. {sizes} tokens"
+    name = f"chain target: layers {list(layers)}, 1 .. {sizes} tokens at {[len(p) for p in probes]}"
+    overheads: dict[int, float] = {}  # by probe: its first round's
 
-    def measure():
-        overheads: dict[int, float] = {}  # by probe: its first round's
-
-        def at_probe(ids: list[int]):
+    def one_round(r: int) -> list:
+        measured = []
+        for ids in probes:
+            plan.measurer.doing(f"{what} at {len(ids)} ({round_label(r)})")
             verify, overhead = target_round(cfg, models, ids, layers, sizes, overheads.get(len(ids)))
             overheads[len(ids)] = overhead
-            return verify, overhead
+            measured.append((verify, overhead))
+            plan.measurer.tick()
+        return measured
 
-        return rounds_at_probes(plan, probes, f"target: forwards of 1 .. {sizes} tokens", at_probe, target_series)
-
-    name = f"chain target: layers {list(layers)}, 1 .. {sizes} tokens at {[len(p) for p in probes]}"
-    return plan.measured(plan.costs, name, measure, f"target: forwards of 1 .. {sizes} tokens",
-                         units=COST_ROUNDS * len(probes), fresh=fresh)
+    rounds = plan.measured(plan.costs, name, lambda: [one_round(r) for r in range(MIN_COST_ROUNDS)], what,
+                           units=MIN_COST_ROUNDS * len(probes), fresh=fresh)
+    overheads.update({len(ids): overhead for ids, (_, overhead) in zip(probes, rounds[0])})
+    for r in range(len(rounds), COST_ROUNDS):
+        if agreeing(target_series(rounds)) or settled(rounds):
+            break
+        rounds = [*rounds, plan.measured(plan.costs, f"{name}, round {r + 1}", lambda: one_round(r), what,
+                                         units=len(probes), fresh=fresh)]
+    return rounds
 
 
 def chain_drafter_rounds(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance, max_k: int,
@@ -341,27 +354,46 @@ def chain_drafter_rounds(plan: DrafterPlanning, probes: list[list[int]], accepta
                          units=COST_ROUNDS * len(probes), fresh=fresh)
 
 
+def chain_costs(target: list, drafter: list, probes: int, noise: tuple[str, ...] = ()) -> Costs:
+    """Chain costs from rounds of the target's (`chain_target_rounds`) and the drafter's
+    (`chain_drafter_rounds`): each the median of its rounds at a probe, then the mean over the
+    probes (equal-size buckets of the run's prompts)."""
+    verify = [[[t for r in target for t in r[p][0][n]] for n in range(len(target[0][p][0]))] for p in range(probes)]
+    return Costs(tuple(fmean(median(v[n]) for v in verify) for n in range(len(verify[0]))),
+                 tuple(fmean(median(r[p][0][k] for r in drafter) for p in range(probes))
+                       for k in range(len(drafter[0][0][0]))),
+                 fmean(median(r[p][1] for r in target) for p in range(probes)), noise)
+
+
+def settles(decide, target: list, drafter: list, probes: int) -> bool:
+    """Whether the target's rounds settle the plan (`decide(costs)`: its choice): the plan made
+    with each round alone is the one made with them all. A third round's costs lie, cost by cost,
+    between the two's (the median of three lies between the other two), so where either end makes
+    the plan both make, a third is not measured: on Gemma-3's 2 cores the two disagreed by more than
+    `ROUND_AGREEMENT` in every run of the demo (a 4-token forward 81.9 and 75.7 ms), and the third,
+    2.5 s, never moved n-gram's K."""
+    whole = decide(chain_costs(target, drafter, probes))
+    return all(decide(chain_costs([r], drafter, probes)) == whole for r in target)
+
+
 def measure_chain_costs(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance, max_k: int,
-                        fresh: bool = False) -> tuple[Costs, dict]:
-    """Every chain cost at every probe: each the median of its rounds at a probe, then the mean
-    over the probes (equal-size buckets of the run's prompts); and the rounds each took."""
-    target = chain_target_rounds(plan, probes, max_k, fresh)
+                        decide, fresh: bool = False) -> tuple[Costs, dict]:
+    """Every chain cost at every probe (`chain_costs`), the drafter's first, the target's rounds
+    then measured as the plan (`decide`) needs them (`settles`); and the rounds each took."""
     drafter = chain_drafter_rounds(plan, probes, acceptance, max_k, fresh)
-    verify = [[[t for r in target for t in r[p][0][n]] for n in range(len(target[0][p][0]))] for p in range(len(probes))]
+    target = chain_target_rounds(plan, probes, max_k, fresh,
+                                 lambda rounds: settles(decide, rounds, drafter, len(probes)))
     noise = sorted({w for p in range(len(probes)) for w in round_noise([r[p][0] for r in target])}
                    | {w for r in drafter for _, warnings in r for w in warnings})
-    costs = Costs(tuple(fmean(median(v[n]) for v in verify) for n in range(len(verify[0]))),
-                  tuple(fmean(median(r[p][0][k] for r in drafter) for p in range(len(probes))) for k in range(max_k + 1)),
-                  fmean(median(r[p][1] for r in target) for p in range(len(probes))), tuple(noise))
-    return costs, {"target": len(target), "drafter": len(drafter)}
+    return chain_costs(target, drafter, len(probes), tuple(noise)), {"target": len(target), "drafter": len(drafter)}
 
 
 def trusted_chain_costs(plan: DrafterPlanning, probes: list[list[int]], acceptance: Acceptance,
-                        max_k: int) -> tuple[Costs, list[str], dict]:
+                        max_k: int, decide) -> tuple[Costs, list[str], dict]:
     """The chain costs, measured again (up to `COST_ATTEMPTS` times, never from the cache) while
     `planning.implausible` finds them impossible; its reasons where they stayed so; the rounds taken."""
     for attempt in range(COST_ATTEMPTS):
-        costs, rounds = measure_chain_costs(plan, probes, acceptance, max_k, fresh=attempt > 0)
+        costs, rounds = measure_chain_costs(plan, probes, acceptance, max_k, decide, fresh=attempt > 0)
         doubts = implausible(costs, draft_forwards(plan.cfg, plan.models, acceptance, max_k))
         if not doubts:
             break
@@ -395,15 +427,20 @@ def plan_drafter(plan: DrafterPlanning, probes: list[list[int]]) -> tuple[Plan, 
     start = time.perf_counter()
     acceptance = drafter_acceptance(cfg, models, plan.calibration, plan.measurer, plan.acceptance)
     max_k = min(PLAN_MAX_K, len(acceptance.per_position))
-    costs, doubts, rounds = trusted_chain_costs(plan, probes, acceptance, max_k)
     lookup = hybrid_lookup_seconds(cfg, probes, max_k) if acceptance.hybrid_walks else None
-    if doubts:
-        chosen = fallback_plan()
-    elif lookup is not None:
-        chosen = plan_hybrid_chain(acceptance.hybrid_walks, costs, lookup)
-    else:
-        chosen = plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens,
-                            acceptance.by_k)
+
+    def chain_plan(costs: Costs) -> Plan:
+        if lookup is not None:
+            return plan_hybrid_chain(acceptance.hybrid_walks, costs, lookup)
+        return plan_chain(acceptance.per_position, costs, acceptance.proposal_rates, max_k, acceptance.extra_tokens,
+                          acceptance.by_k)
+
+    def choice(costs: Costs) -> tuple:
+        chosen = chain_plan(costs)
+        return chosen.num_draft_tokens, chosen.lookup_first
+
+    costs, doubts, rounds = trusted_chain_costs(plan, probes, acceptance, max_k, choice)
+    chosen = fallback_plan() if doubts else chain_plan(costs)
     block = {"num_draft_tokens": chosen.num_draft_tokens, "tree_nodes": None, "tree_topk": None,
              **({"lookup_first": chosen.lookup_first, "lookup_seconds": lookup,
                  "walked_hybrid": walked_summary(acceptance.hybrid_walks)} if lookup is not None else {}),

@@ -332,6 +332,7 @@ def test_the_loops_overhead_is_its_first_rounds_at_each_probe(setup, tmp_path, c
     from drafttrain.evaluation import plan as planner
 
     monkeypatch.setattr(planner, "ROUND_AGREEMENT", -1.0)  # every round measured
+    monkeypatch.setattr(planner, "settles", lambda *args: False)
     measured = []
     monkeypatch.setattr(planner, "loop_overhead", lambda *a, **k: measured.append(1e-4 * (len(measured) + 1)) or measured[-1])
     plan, _ = planned_with(setup, tmp_path, capsys)
@@ -410,18 +411,52 @@ def injected_costs(monkeypatch, spread: float) -> list[str]:
     return timed
 
 
-@pytest.mark.parametrize("spread, rounds", [(0.0, 2), (0.02, 2), (0.3, 3)])
+@pytest.mark.parametrize("spread, settled, target, drafter", [(0.0, None, 2, 2), (0.02, None, 2, 2), (0.3, True, 2, 3),
+                                                              (0.3, False, 3, 3)])
 def test_a_quiet_machines_costs_take_two_rounds_and_a_noisy_ones_three(setup, tmp_path, capsys, monkeypatch, spread,
-                                                                        rounds):
+                                                                        settled, target, drafter):
     """Two rounds whose medians agree within `ROUND_AGREEMENT` measured a quiet machine: a third
-    could not move a cost by more than they differ. Where they disagree, the third is measured."""
+    could not move a cost by more than they differ, and the plan is not asked. Where they disagree,
+    the third is measured: the drafter's, and the target's unless its rounds settle the plan
+    (`settles`, tested on its own below)."""
     from drafttrain.evaluation import plan as planner
 
     timed = injected_costs(monkeypatch, spread)
+    asked = []
+    real = planner.settles
+    monkeypatch.setattr(planner, "settles", lambda *args: asked.append(1) or (real(*args) if settled is None else settled))
     plan, _ = planned_with(setup, tmp_path, capsys)
     probes = len(plan["costs"]["context_lengths"])
-    assert plan["costs"]["rounds"] == {"target": rounds, "drafter": rounds}
-    assert len(timed) == 2 * rounds * probes and planner.ROUND_AGREEMENT == 0.05
+    assert plan["costs"]["rounds"] == {"target": target, "drafter": drafter}
+    assert len(timed) == (target + drafter) * probes and planner.ROUND_AGREEMENT == 0.05
+    assert bool(asked) == (settled is not None)
+
+
+def test_a_third_target_round_only_where_either_round_alone_plans_otherwise():
+    """`settles`: the target's rounds settle a plan where each round alone makes the plan both make.
+    A round slower at every size plans as the other; one where verifying 3 tokens got dearer than
+    the 2 extra tokens pay for plans K = 1 where the other plans K = 2 (the reference: `plan_chain`
+    on each round's costs, worked by hand below)."""
+    from drafttrain.evaluation import plan as planner
+    from drafttrain.planning import plan_chain
+
+    def round_(verify: list[float]) -> list:
+        return [([[t] * 3 for t in verify], 0.0)]  # one probe: 3 timings a size, no overhead
+
+    drafter = [[([0.0, 0.0, 0.0], [])]]  # a free drafter, K = 0 .. 2
+    acceptance = [0.9, 0.9]  # tokens a step: K = 1 1.9, K = 2 2.71
+
+    def decide(costs):
+        return plan_chain(acceptance, costs).num_draft_tokens
+
+    fast, slow = round_([0.010, 0.011, 0.012]), round_([0.020, 0.022, 0.024])
+    # K = 2: 2.71 / 0.012 beats K = 1: 1.9 / 0.011, in either round and in both
+    assert planner.settles(decide, [fast, slow], drafter, 1)
+    dear = round_([0.010, 0.011, 0.020])  # K = 2: 2.71 / 0.020 = 135.5 a second; K = 1: 1.9 / 0.011 = 172.7
+    assert decide(planner.chain_costs([dear], drafter, 1)) == 1 and decide(planner.chain_costs([fast], drafter, 1)) == 2
+    assert not planner.settles(decide, [fast, dear], drafter, 1)
+    # both rounds' costs: each the median of their six timings (0.012 and 0.020 -> 0.016 for 3 tokens)
+    assert planner.chain_costs([fast, dear], drafter, 1).verify == pytest.approx((0.010, 0.011, 0.016))
 
 
 def test_rounds_agree_within_the_tolerance_of_every_cost():
