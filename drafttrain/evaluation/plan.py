@@ -367,11 +367,12 @@ def chain_costs(target: list, drafter: list, probes: int, noise: tuple[str, ...]
 
 def settles(decide, target: list, drafter: list, probes: int) -> bool:
     """Whether the target's rounds settle the plan (`decide(costs)`: its choice): the plan made
-    with each round alone is the one made with them all. A third round's costs lie, cost by cost,
-    between the two's (the median of three lies between the other two), so where either end makes
-    the plan both make, a third is not measured: on Gemma-3's 2 cores the two disagreed by more than
+    with each round alone is the one made with them all. A third round would put each cost about
+    between the two's (the median of three round medians lies between the first two; the median of
+    their pooled timings, what `chain_costs` takes, about so), so where either end makes the plan
+    both make, it is not measured: on Gemma-3's 2 cores the two disagreed by more than
     `ROUND_AGREEMENT` in every run of the demo (a 4-token forward 81.9 and 75.7 ms), and the third,
-    2.5 s, never moved n-gram's K."""
+    2.5-3.3 s, moved n-gram's K in none of them."""
     whole = decide(chain_costs(target, drafter, probes))
     return all(decide(chain_costs([r], drafter, probes)) == whole for r in target)
 
