@@ -302,7 +302,12 @@ def tree_expected_tokens(steps: list[TreeStep], depth: int, nodes: int) -> float
     """E: tokens per step (accepted drafts + the target's own) of the tree (depth, nodes)."""
     if not steps:
         return 1.0
-    return 1.0 + sum(s.weight * accepted_within(s, depth, nodes) for s in steps) / sum(s.weight for s in steps)
+    return 1.0 + weighted_mean(steps, lambda s: accepted_within(s, depth, nodes))
+
+
+def weighted_mean(steps: list[TreeStep], value) -> float:
+    """`value(step)`'s mean over the steps, each counted by its `weight` (`as_hybrid_steps`)."""
+    return sum(s.weight * value(s) for s in steps) / sum(s.weight for s in steps)
 
 
 @dataclass(frozen=True)
@@ -487,9 +492,8 @@ def lookup_first_table(steps: dict[int, list[TreeStep]], table: TreeTable) -> Fi
         recorded = steps.get(topk) or []
         if not recorded:
             continue
-        accepted = sum(s.weight * (lookup_accepted(s, depth) if s.lookup else accepted_within(s, depth, nodes))
-                       for s in recorded)
-        out[(topk, depth, nodes)] = 1.0 + accepted / sum(s.weight for s in recorded)
+        out[(topk, depth, nodes)] = 1.0 + weighted_mean(
+            recorded, lambda s: lookup_accepted(s, depth) if s.lookup else accepted_within(s, depth, nodes))
     return out
 
 

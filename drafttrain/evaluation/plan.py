@@ -286,18 +286,21 @@ def round_noise(rounds: list[list[list[float]]]) -> list[str]:
     return noisy([[median(r[n]) for r in rounds] for n in range(len(rounds[0]))])
 
 
-def rounds_at_probes(plan: DrafterPlanning, probes: list[list[int]], what: str, at_probe, series) -> list:
-    """`at_probe(ids)` at every probe, round after round (`interleaved_rounds`, `series` telling
-    whether they agree), each on the progress line as `what` at the probe's length: `[round][probe]`."""
-    def one_round(r: int) -> list:
-        measured = []
-        for ids in probes:
-            plan.measurer.doing(f"{what} at {len(ids)} ({round_label(r)})")
-            measured.append(at_probe(ids))
-            plan.measurer.tick()
-        return measured
+def round_at_probes(plan: DrafterPlanning, probes: list[list[int]], what: str, at_probe, r: int) -> list:
+    """Round r: `at_probe(ids)` at every probe, each on the progress line as `what` at the probe's
+    length: `[probe]`."""
+    measured = []
+    for ids in probes:
+        plan.measurer.doing(f"{what} at {len(ids)} ({round_label(r)})")
+        measured.append(at_probe(ids))
+        plan.measurer.tick()
+    return measured
 
-    return interleaved_rounds(one_round, series)
+
+def rounds_at_probes(plan: DrafterPlanning, probes: list[list[int]], what: str, at_probe, series) -> list:
+    """`round_at_probes` round after round (`interleaved_rounds`, `series` telling whether they
+    agree): `[round][probe]`."""
+    return interleaved_rounds(lambda r: round_at_probes(plan, probes, what, at_probe, r), series)
 
 
 def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: int, fresh: bool,
@@ -317,15 +320,13 @@ def chain_target_rounds(plan: DrafterPlanning, probes: list[list[int]], max_k: i
     name = f"chain target: layers {list(layers)}, 1 .. {sizes} tokens at {[len(p) for p in probes]}"
     overheads: dict[int, float] = {}  # by probe: its first round's
 
+    def at_probe(ids: list[int]) -> tuple[list[list[float]], float]:
+        verify, overhead = target_round(cfg, models, ids, layers, sizes, overheads.get(len(ids)))
+        overheads[len(ids)] = overhead
+        return verify, overhead
+
     def one_round(r: int) -> list:
-        measured = []
-        for ids in probes:
-            plan.measurer.doing(f"{what} at {len(ids)} ({round_label(r)})")
-            verify, overhead = target_round(cfg, models, ids, layers, sizes, overheads.get(len(ids)))
-            overheads[len(ids)] = overhead
-            measured.append((verify, overhead))
-            plan.measurer.tick()
-        return measured
+        return round_at_probes(plan, probes, what, at_probe, r)
 
     rounds = plan.measured(plan.costs, name, lambda: [one_round(r) for r in range(MIN_COST_ROUNDS)], what,
                            units=MIN_COST_ROUNDS * len(probes), fresh=fresh)
@@ -371,8 +372,8 @@ def settles(decide, target: list, drafter: list, probes: int) -> bool:
     between the two's (the median of three round medians lies between the first two; the median of
     their pooled timings, what `chain_costs` takes, about so), so where either end makes the plan
     both make, it is not measured: on Gemma-3's 2 cores the two disagreed by more than
-    `ROUND_AGREEMENT` in every run of the demo (a 4-token forward 81.9 and 75.7 ms), and the third,
-    2.5-3.3 s, moved n-gram's K in none of them."""
+    `ROUND_AGREEMENT` in every run of the demo (a 4-token forward 81.9 and 75.7 ms), so the third,
+    2.5-3.3 s, ran every time; n-gram planned K = 3 in every run, with three rounds and with two."""
     whole = decide(chain_costs(target, drafter, probes))
     return all(decide(chain_costs([r], drafter, probes)) == whole for r in target)
 
